@@ -1,0 +1,114 @@
+"""`loom-mcp doctor`: what this machine offers, and what will not work here and why."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+from pydantic import BaseModel
+
+from loom_mcp import __version__
+from loom_mcp.config import load_config
+from loom_mcp.devices import probe_devices
+from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.models import DeviceInfo, Toolchain
+from loom_mcp.sandbox.isolation import isolation_report
+
+
+class DoctorReport(BaseModel):
+    version: str
+    home: str
+    allowed_roots: list[str]
+    devices: list[DeviceInfo]
+    backends: dict[str, str]
+    toolchain: Toolchain
+    isolation: dict[str, str]
+    limitations: list[str]
+
+
+def limitations_for(devices: list[DeviceInfo], toolchain: Toolchain, isolation: dict[str, str]) -> list[str]:
+    tools = {t.name: t for t in toolchain.tools}
+
+    def have(name: str) -> bool:
+        return name in tools and tools[name].found
+
+    found: list[str] = []
+    vendors = {d.vendor for d in devices}
+    if vendors <= {"cpu"}:
+        found.append("no GPU: validation runs on CPU (Triton interpreter); benchmark times are CPU "
+                     "wall-clock and say so; profilers other than torch are unavailable")
+    if toolchain.torch is None:
+        found.append("torch not importable by the worker python: run_validation, benchmark and "
+                     "profile(torch) cannot run (pip install 'loom-mcp[triton]' or use your own build)")
+    if toolchain.triton is None:
+        found.append("triton not importable: Triton candidates cannot compile or run")
+    if not have("nvcc"):
+        found.append("nvcc not found: compile_kernel(language='cuda') unavailable")
+    if not have("hipcc"):
+        found.append("hipcc not found: compile_kernel(language='hip') unavailable")
+    if "nvidia" in vendors and not have("ncu"):
+        found.append("ncu not found: no kernel-level NVIDIA metrics")
+    if "nvidia" in vendors and not have("nsys"):
+        found.append("nsys not found: profile(profiler='nsys') unavailable")
+    if "amd" in vendors and not have("rocprofv3"):
+        found.append("rocprofv3 not found: profile(profiler='rocprofv3') unavailable")
+    for key, value in isolation.items():
+        if value.startswith("not "):
+            found.append(f"sandbox {key}: {value}")
+    return found
+
+
+async def build_report(home: Path | None) -> DoctorReport:
+    config = load_config(home)
+    devices, backends = await anyio.to_thread.run_sync(probe_devices)
+    toolchain = await probe_toolchain(config.cache_dir / "toolchain.json", max_age_s=0.0)
+    isolation = await anyio.to_thread.run_sync(isolation_report)
+    return DoctorReport(
+        version=__version__,
+        home=str(config.home),
+        allowed_roots=[str(r) for r in config.allowed_roots],
+        devices=devices,
+        backends=backends,
+        toolchain=toolchain,
+        isolation=isolation,
+        limitations=limitations_for(devices, toolchain, isolation),
+    )
+
+
+def render(report: DoctorReport) -> str:
+    lines = [f"loom-mcp {report.version}", f"home: {report.home}",
+             f"allowed roots: {', '.join(report.allowed_roots)}", "", "devices:"]
+    for d in report.devices:
+        mem = f"{d.memory_total_bytes / 2**30:.0f} GiB" if d.memory_total_bytes else "? GiB"
+        peak = ""
+        if d.peak:
+            peak = f", peak {d.peak.memory_bandwidth_bytes_s / 1e12:.2f} TB/s"
+            if "bf16" in d.peak.flops:
+                peak += f", bf16 {d.peak.flops['bf16'] / 1e12:.0f} TFLOP/s"
+        lines.append(f"  [{d.vendor}:{d.index}] {d.name} ({d.arch or 'arch ?'}), {mem}"
+                     f"{', driver ' + d.driver_version if d.driver_version else ''}"
+                     f"{', runtime ' + d.runtime_version if d.runtime_version else ''}{peak}")
+    lines.append("backends:")
+    lines += [f"  {k}: {v}" for k, v in report.backends.items()]
+    tc = report.toolchain
+    lines += ["toolchain:", f"  python {tc.python}", f"  torch {tc.torch or 'not found'}"
+              + (f" (cuda {tc.torch_cuda})" if tc.torch_cuda else "")
+              + (f" (hip {tc.torch_hip})" if tc.torch_hip else ""),
+              f"  triton {tc.triton or 'not found'}"]
+    if tc.probe_error:
+        lines.append(f"  worker probe: {tc.probe_error}")
+    for t in tc.tools:
+        lines.append(f"  {t.name}: {t.version or 'found' if t.found else 'not found'}"
+                     + (f" ({t.path})" if t.path else ""))
+    lines.append("sandbox:")
+    lines += [f"  {k}: {v}" for k, v in report.isolation.items()]
+    lines.append("will not work here:" if report.limitations else "everything is available")
+    lines += [f"  - {item}" for item in report.limitations]
+    return "\n".join(lines)
+
+
+def run_doctor(home: Path | None, as_json: bool = False) -> int:
+    report = anyio.run(build_report, home)
+    sys.stdout.write((report.model_dump_json(indent=2) if as_json else render(report)) + "\n")
+    return 0

@@ -1,0 +1,120 @@
+"""Pydantic contracts of the tools: every input the server accepts and every result it returns.
+
+Unknown values are `None`, never invented. Units are in the field names (`_bytes`, `_s`, `_mhz`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Vendor = Literal["nvidia", "amd", "cpu"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- devices
+
+
+class DevicePeak(_Model):
+    """Datasheet ceilings of one accelerator model (dense, no sparsity)."""
+
+    model: str = Field(description="Canonical model name, e.g. 'H200 SXM'")
+    vendor: Vendor
+    arch: str = Field(description="sm_90, gfx942, ...")
+    memory_bandwidth_bytes_s: float
+    memory_bytes: int | None = None
+    flops: dict[str, float] = Field(
+        description="Dense peak FLOP/s by dtype: 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8', 'int8'"
+    )
+    l2_bytes: int | None = None
+    source: str = Field(description="Where the numbers come from (datasheet URL or document)")
+
+
+class ThrottleState(_Model):
+    active: bool
+    reasons: list[str] = Field(default_factory=list)
+
+
+class DeviceInfo(_Model):
+    index: int
+    vendor: Vendor
+    name: str
+    arch: str | None = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    memory_clock_max_mhz: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+    utilization_pct: float | None = None
+    throttle: ThrottleState | None = None
+    driver_version: str | None = None
+    runtime_version: str | None = Field(
+        default=None, description="CUDA driver API version (NVIDIA) or ROCm version (AMD)"
+    )
+    compute_units: int | None = Field(default=None, description="SMs (NVIDIA), CUs (AMD), cores (CPU)")
+    busy: bool | None = Field(default=None, description="A loom job holds this device's lease now")
+    peak: DevicePeak | None = None
+    measured: dict[str, float] | None = Field(
+        default=None, description="Measured ceilings when a calibration ran (bytes/s, FLOP/s)"
+    )
+
+
+class ToolStatus(_Model):
+    name: str
+    found: bool
+    version: str | None = None
+    path: str | None = None
+    note: str | None = None
+
+
+class Toolchain(_Model):
+    python: str
+    loom_mcp: str
+    torch: str | None = None
+    torch_cuda: str | None = None
+    torch_hip: str | None = None
+    triton: str | None = None
+    torch_devices: list[str] = Field(default_factory=list)
+    tools: list[ToolStatus] = Field(default_factory=list)
+    probe_error: str | None = None
+
+
+class DeviceInfoResult(_Model):
+    devices: list[DeviceInfo]
+    toolchain: Toolchain
+    backends: dict[str, str] = Field(
+        description="Per vendor library: 'ok', or why it is unavailable (e.g. 'pynvml not installed')"
+    )
+    next_step: str
+
+
+# ---------------------------------------------------------------- campaigns
+
+
+class Budgets(_Model):
+    gpu_seconds: float = Field(default=3600.0, gt=0, description="Device seconds all jobs may use")
+    candidates: int = Field(default=50, gt=0, description="submit_candidate calls allowed")
+    wall_seconds: float = Field(default=8 * 3600.0, gt=0, description="Wall time from start")
+
+
+class StartCampaignResult(_Model):
+    campaign_id: str
+    repo: str
+    base_commit: str
+    base_branch: str | None
+    branch: str = Field(description="Branch accepted changes are committed to (created on first accept)")
+    goal: str
+    task: str | None
+    budgets: Budgets
+    config_fingerprint: str
+    next_step: str

@@ -1,0 +1,68 @@
+"""Shared fixtures. GPU tests are marked `gpu` and skip cleanly when no GPU is visible."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def gpu_available() -> bool:
+    """True when an NVIDIA or AMD GPU is visible (checked without importing torch)."""
+    if shutil.which("nvidia-smi"):
+        probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        if probe.returncode == 0 and "GPU" in probe.stdout:
+            return True
+    return Path("/dev/kfd").exists() and shutil.which("rocminfo") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU; none visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def loom_home(tmp_path, monkeypatch) -> Path:
+    """An isolated LOOM_HOME whose allowed roots cover the test's tmp dir."""
+    home = tmp_path / "loom-home"
+    home.mkdir()
+    monkeypatch.setenv("LOOM_HOME", str(home))
+    monkeypatch.setenv("LOOM_ALLOWED_ROOTS", str(tmp_path))
+    return home
+
+
+def make_git_repo(path: Path) -> Path:
+    import git
+
+    path.mkdir(parents=True, exist_ok=True)
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as cw:
+        cw.set_value("user", "name", "loom test")
+        cw.set_value("user", "email", "loom@example.invalid")
+    (path / "README.md").write_text("target\n")
+    repo.index.add(["README.md"])
+    repo.index.commit("initial")
+    return path
+
+
+@pytest.fixture
+def git_repo(tmp_path) -> Path:
+    return make_git_repo(tmp_path / "target")
+
+
+CI = os.environ.get("CI") == "true"
