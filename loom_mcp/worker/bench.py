@@ -1,0 +1,188 @@
+"""Worker: one arm (baseline or candidate) of an interleaved A/B benchmark, kept warm.
+
+The server's orchestrator connects both arms over a Unix socket and asks for one sample at a
+time, alternating arms, so drift in clocks or temperature lands on both equally. Each sample:
+rotate to the next input set, flush the L2 (a buffer larger than it), hold the stream with a
+short sleep kernel so launch latency stays outside the events, time with device events, then a
+device-wide sync. Short kernels replay from a CUDA/HIP graph. On CPU the timer is a wall clock.
+
+Each reply carries a checksum of the output at positions the orchestrator chose secretly, so a
+candidate that computes honestly only when validated is caught while being timed.
+
+Request: {"role", "module", "class_name", "cases_file", "socket", "token", "device",
+          "flush_bytes", "graph_below_s"}
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import torch
+
+from loom_mcp.worker.harness import as_output_list, load_module, pick_device, synchronize, to_device
+from loom_mcp.worker.protocol import read_request, send_result
+
+
+class Arm:
+    def __init__(self, request: dict) -> None:
+        self.device = pick_device(request.get("device"))
+        module = load_module(request["module"], f"loom_bench_{request['role']}")
+        self.model_cls = getattr(module, request["class_name"])
+        self.shapes = torch.load(request["cases_file"], weights_only=True)["shapes"]
+        self.flush_bytes = int(request.get("flush_bytes") or 0)
+        self.graph_below_s = float(request.get("graph_below_s") or 0.0)
+        self.gpu = self.device.type == "cuda"
+        self.flush_buffer = (torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
+                             if self.flush_bytes else None)
+        self.current: dict[str, Any] = {}
+
+    # -- setup
+    def setup(self, shape_index: int) -> dict:
+        sets = self.shapes[shape_index]["sets"]
+        first = sets[0]
+        torch.manual_seed(first["seed"])
+        model = self.model_cls(*first["init_inputs"])
+        state = first.get("state_dict") or {}
+        if isinstance(model, torch.nn.Module):
+            own = model.state_dict()
+            if state and set(own) == set(state) and all(own[k].shape == state[k].shape for k in own):
+                model.load_state_dict(state)
+            model = model.to(self.device).eval()
+        inputs = [to_device(s["inputs"], self.device) for s in sets]
+        self.current = {"model": model, "inputs": inputs, "graphs": None, "outputs": None}
+        with torch.no_grad():
+            for _ in range(3):  # compile, autotune and allocate outside the timed region
+                for x in inputs:
+                    model(*x)
+        synchronize(self.device)
+        estimate = min(self._time_eager(i) for i in range(len(inputs)) for _ in range(3))
+        use_graph = self.gpu and estimate < self.graph_below_s
+        if use_graph:
+            use_graph = self._capture()
+        return {"estimate_s": estimate, "graph": use_graph, "sets": len(inputs)}
+
+    def _capture(self) -> bool:
+        model, graphs, outputs = self.current["model"], [], []
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                for x in self.current["inputs"]:
+                    model(*x)
+            torch.cuda.current_stream().wait_stream(stream)
+            for x in self.current["inputs"]:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph), torch.no_grad():
+                    out = as_output_list(model(*x))
+                graphs.append(graph)
+                outputs.append(out)
+        except Exception:  # not capturable (host sync, dynamic shapes): time eagerly instead
+            torch.cuda.synchronize()
+            return False
+        self.current["graphs"], self.current["outputs"] = graphs, outputs
+        return True
+
+    # -- timing
+    def _flush(self) -> None:
+        if self.flush_buffer is not None:
+            self.flush_buffer.zero_()
+
+    def _time_eager(self, set_index: int) -> float:
+        model, x = self.current["model"], self.current["inputs"][set_index]
+        self._flush()
+        if self.gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(20_000)  # keeps the GPU busy while the launches below queue up
+            start.record()
+            with torch.no_grad():
+                self.current["last"] = as_output_list(model(*x))
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.current["last"] = as_output_list(model(*x))
+        return time.perf_counter() - t0
+
+    def _time_graph(self, set_index: int) -> float:
+        graph = self.current["graphs"][set_index]
+        self._flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        self.current["last"] = self.current["outputs"][set_index]
+        return start.elapsed_time(end) / 1e3
+
+    def sample(self, set_index: int, probe: list[int]) -> dict:
+        if self.current.get("graphs"):
+            seconds = self._time_graph(set_index)
+        else:
+            seconds = self._time_eager(set_index)
+        synchronize(self.device)
+        sums = []
+        for out in self.current["last"]:
+            if type(out) is not torch.Tensor:
+                return {"t": seconds, "sums": None, "error": "output is not a plain torch.Tensor"}
+            flat = out.detach().reshape(-1)
+            idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
+            sums.append(float(flat[idx].double().sum()) if flat.numel() else 0.0)
+        return {"t": seconds, "sums": sums, "error": None}
+
+    def kernels(self) -> dict:
+        """Names of the device kernels one forward launches: the proof that they ran."""
+        if not self.gpu:
+            return {"kernels": None}
+        from torch.profiler import ProfilerActivity, profile
+
+        model, x = self.current["model"], self.current["inputs"][0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+            model(*x)
+            torch.cuda.synchronize()
+        names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+        return {"kernels": names[:200]}
+
+
+def main() -> None:
+    request = read_request() or {}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(request["socket"])
+    reader = conn.makefile("r", encoding="utf-8")
+
+    def reply(obj: dict) -> None:
+        conn.sendall((json.dumps(obj) + "\n").encode())
+
+    try:
+        arm = Arm(request)
+    except Exception as exc:
+        reply({"hello": request["token"], "role": request["role"], "error": f"{type(exc).__name__}: {exc}"})
+        send_result({"error": str(exc)})
+        return
+    reply({"hello": request["token"], "role": request["role"], "error": None, "device": str(arm.device)})
+    samples = 0
+    for line in reader:
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            if op == "setup":
+                reply(arm.setup(command["shape"]))
+            elif op == "sample":
+                samples += 1
+                reply(arm.sample(command["set"], command["probe"]))
+            elif op == "kernels":
+                reply(arm.kernels())
+            elif op == "quit":
+                reply({"bye": True})
+                break
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+    send_result({"samples": samples})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Worker: run an untrusted candidate on prepared inputs and save what it returns.
+
+Runs in its own sandboxed process, before any reference exists anywhere: the task module is
+never imported here, and the reference outputs are computed only after this process is gone.
+Everything this process reports about itself is advisory; the verdict rests on the outputs it
+saved, which the trusted compare step checks.
+
+Request: {"candidate": path, "cases_file": path, "outputs_file": path, "device": "auto"}
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from loom_mcp.worker.harness import (
+    as_output_list,
+    load_module,
+    pick_device,
+    synchronize,
+    tensor_digest,
+    to_device,
+    user_traceback,
+)
+from loom_mcp.worker.protocol import read_request, send_result
+
+
+def _poison_uninitialized_memory() -> None:
+    # torch.empty* come back filled with NaN (ints: max value), so a kernel that leaves part of
+    # its output unwritten cannot pass by luck of what the allocator hands back.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().to("cpu")
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _clone_inputs(inputs: list) -> list:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def run_case(model_cls, case: dict, device: torch.device, candidate_file: str) -> tuple[dict, list | None]:
+    report: dict[str, Any] = {"error": None, "output_type_ok": True, "aliases_input": False,
+                              "inputs_unchanged": True, "deterministic": True, "late_write": False,
+                              "threads_added": 0}
+    seed = case["seed"]
+    try:
+        torch.manual_seed(seed)
+        model = model_cls(*case["init_inputs"])
+        state = case.get("state_dict") or {}
+        if isinstance(model, torch.nn.Module) and state:
+            own = model.state_dict()
+            if set(own) == set(state) and all(own[k].shape == state[k].shape for k in own):
+                model.load_state_dict(state)
+        if isinstance(model, torch.nn.Module):
+            model = model.to(device).eval()
+        inputs = to_device(case["inputs"], device)
+        digest_before = tensor_digest(inputs)
+        input_ptrs = {_storage_ptr(x) for x in inputs if isinstance(x, torch.Tensor)}
+
+        threads_before = threading.active_count()
+        with torch.no_grad():
+            first = as_output_list(model(*inputs))
+        # Snapshot at return, before any sync: work still running on another stream or thread
+        # would make the final values differ from what was returned.
+        snapshot = [o.clone() if type(o) is torch.Tensor else None for o in first]
+        synchronize(device)
+        time.sleep(0.02)
+        synchronize(device)
+        report["threads_added"] = threading.active_count() - threads_before
+
+        for o in first:
+            if type(o) is not torch.Tensor:
+                report["output_type_ok"] = False
+                report["error"] = (f"forward returned {type(o).__module__}.{type(o).__qualname__}, "
+                                   "not a plain torch.Tensor")
+                return report, None
+            if _storage_ptr(o) in input_ptrs:
+                report["aliases_input"] = True
+        report["late_write"] = any(_bits(s) != _bits(o) for s, o in zip(snapshot, first))
+        report["inputs_unchanged"] = tensor_digest(inputs) == digest_before
+
+        with torch.no_grad():
+            second = as_output_list(model(*_clone_inputs(to_device(case["inputs"], device))))
+        synchronize(device)
+        report["deterministic"] = len(first) == len(second) and all(
+            type(b) is torch.Tensor and _bits(a) == _bits(b) for a, b in zip(first, second)
+        )
+        return report, [o.detach().to("cpu") for o in first]
+    except Exception as exc:  # the candidate's failure is a finding, not a worker crash
+        report["error"] = user_traceback(exc, candidate_file)
+        return report, None
+
+
+def main() -> None:
+    request = read_request() or {}
+    device = pick_device(request.get("device"))
+    _poison_uninitialized_memory()
+    started = time.perf_counter()
+    try:
+        module = load_module(request["candidate"], "loom_candidate")
+        model_cls = module.ModelNew
+    except Exception as exc:
+        send_result({"load_error": user_traceback(exc, request["candidate"]), "cases": []})
+        return
+    cases = torch.load(request["cases_file"], weights_only=True)["cases"]
+    reports, outputs = [], []
+    for case in cases:
+        report, out = run_case(model_cls, case, device, request["candidate"])
+        reports.append(report)
+        outputs.append(out)
+    torch.save({"outputs": outputs}, request["outputs_file"])
+    send_result({"load_error": None, "cases": reports, "device": str(device),
+                 "seconds": time.perf_counter() - started})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Helpers shared by the worker processes (they import torch; the server never imports this).
+
+Inputs are generated on the CPU from a seed, so every process that asks for case (shape, seed,
+kind) gets the same bits without trusting a file another process could have edited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+INPUT_KINDS = ("normal", "normal", "heavy_tailed", "scaled_1e-3", "scaled_64")
+
+CANONICAL_DTYPES = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.bool: "bool",
+}
+
+
+def canonical_dtype(dtype: torch.dtype) -> str:
+    if dtype in CANONICAL_DTYPES:
+        return CANONICAL_DTYPES[dtype]
+    if "float8" in str(dtype):
+        return "fp8"
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return "int"
+    return str(dtype).replace("torch.", "")
+
+
+def load_module(path: str | Path, name: str) -> ModuleType:
+    """Import a file as a fresh module; its directory goes on sys.path for sibling imports."""
+    path = Path(path).resolve()
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    if requested and requested != "auto":
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def task_shapes(task: ModuleType) -> list[dict[str, Any]]:
+    shapes = getattr(task, "SHAPES", None)
+    if not shapes:
+        return [{"name": "default"}]
+    named = []
+    for i, shape in enumerate(shapes):
+        shape = dict(shape)
+        shape.setdefault("name", f"shape{i}")
+        named.append(shape)
+    return named
+
+
+def shape_kwargs(shape: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in shape.items() if k != "name"}
+
+
+def _call_with_shape(fn, shape: dict[str, Any]):
+    kwargs = shape_kwargs(shape)
+    params = inspect.signature(fn).parameters
+    if not kwargs:
+        return fn()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _transform(tensor: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """Stress variants of a floating input: tails and scales that expose tolerance games."""
+    if not tensor.is_floating_point() or kind == "normal":
+        return tensor
+    if kind == "heavy_tailed":
+        # Log-normal magnitudes: most values stay near 1, a few are 10-100x larger.
+        factor = torch.exp(torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * 1.2)
+        return (tensor.float() * factor).to(tensor.dtype)
+    if kind.startswith("scaled_"):
+        return (tensor.float() * float(kind.removeprefix("scaled_"))).to(tensor.dtype)
+    raise ValueError(f"unknown input kind {kind!r}")
+
+
+def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str) -> tuple[list, list]:
+    """(inputs, init_inputs) for one case, on the CPU, bit-for-bit reproducible from the seed."""
+    torch.manual_seed(seed)
+    inputs = list(_call_with_shape(task.get_inputs, shape))
+    init_fn = getattr(task, "get_init_inputs", None)
+    init_inputs = list(_call_with_shape(init_fn, shape)) if init_fn else []
+    generator = torch.Generator().manual_seed(seed ^ 0x5EED)
+    inputs = [_transform(x, kind, generator) if isinstance(x, torch.Tensor) else x for x in inputs]
+    return inputs, init_inputs
+
+
+def tensor_digest(values: list | tuple) -> str:
+    """Hash of every tensor's bytes, dtype and shape (non-tensors by repr)."""
+    h = hashlib.sha256()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+def to_device(values: list, device: torch.device) -> list:
+    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def as_output_list(out: Any) -> list:
+    if isinstance(out, (tuple, list)):
+        return list(out)
+    return [out]
+
+
+def user_traceback(exc: BaseException, user_file: str, limit_chars: int = 1500) -> str:
+    """The exception with only the frames inside the user's file: what the agent can fix."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == user_file]
+    where = "".join(f"  {Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}\n" for f in frames[-5:])
+    text = f"{type(exc).__name__}: {exc}\n{where}"
+    return text[-limit_chars:]

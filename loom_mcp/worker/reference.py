@@ -1,0 +1,276 @@
+"""Trusted worker: prepares validation inputs, and later computes the reference and compares.
+
+`prepare` runs before the candidate: it writes the inputs (never a reference output).
+`compare` runs after the candidate's process has exited: it regenerates every input from its
+seed (a file the candidate could have edited is not trusted), checks the regenerated inputs
+hash to what `prepare` wrote, computes the reference natively and in float64, and compares.
+
+Request: {"mode": "prepare"|"compare", "task": path, "cases": [{"shape": {...}, "seed": int,
+          "kind": str}], "cases_file": path, "outputs_file": path, "device": "auto",
+          "tolerances": {canonical dtype: {"atol", "rtol"}}}
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from typing import Any
+
+import torch
+
+from loom_mcp.worker.harness import (
+    INPUT_KINDS,
+    as_output_list,
+    canonical_dtype,
+    load_module,
+    make_case,
+    pick_device,
+    shape_kwargs,
+    synchronize,
+    task_shapes,
+    tensor_digest,
+    to_device,
+    user_traceback,
+)
+from loom_mcp.worker.protocol import read_request, send_result
+
+DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
+                 "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def canonical_key(name: str) -> str:
+    key = name.replace("torch.", "").lower()
+    return DTYPE_ALIASES.get(key, key)
+
+
+def build_reference(task, init_inputs: list, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return task.Model(*init_inputs)
+
+
+def derive_seed(nonce: int, shape_name: str, index: int) -> int:
+    """Seeds the candidate cannot predict: a per-call secret nonce mixed with the case."""
+    digest = hashlib.blake2b(f"{nonce}:{shape_name}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dict]:
+    shapes = task_shapes(task)
+    if only:
+        unknown = sorted(set(only) - {s["name"] for s in shapes})
+        if unknown:
+            names = ", ".join(s["name"] for s in shapes)
+            raise ValueError(f"unknown shape(s) {unknown}; the task defines: {names}")
+        shapes = [s for s in shapes if s["name"] in only]
+    kinds = getattr(task, "INPUT_KINDS", INPUT_KINDS)
+    return [{"shape": shape, "seed": derive_seed(nonce, shape["name"], i), "kind": kinds[i % len(kinds)]}
+            for shape in shapes for i in range(seeds)]
+
+
+def prepare(request: dict) -> dict:
+    task = load_module(request["task"], "loom_task")
+    cases = plan_cases(task, request["seeds"], request.get("shapes"), request["nonce"])
+    prepared, digests = [], []
+    for case in cases:
+        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
+        model = build_reference(task, init_inputs, case["seed"])
+        state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
+        prepared.append({"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs,
+                         "state_dict": dict(state)})
+        digests.append(tensor_digest(inputs))
+    torch.save({"cases": prepared}, request["cases_file"])
+    return {"cases": cases, "digests": digests}
+
+
+def _input_bytes(values: list) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def _model_value(task, name: str, shape: dict) -> float | None:
+    fn = getattr(task, name, None)
+    if fn is None:
+        return None
+    try:
+        return float(fn(**shape_kwargs(shape)))
+    except Exception:
+        return None
+
+
+def prepare_bench(request: dict) -> dict:
+    """Input sets per shape for timing: enough distinct sets that together they exceed the L2,
+    so a rotated input is never cache-resident (capped to bound memory)."""
+    task = load_module(request["task"], "loom_task")
+    shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), request["nonce"])]
+    target = int(request.get("rotate_bytes") or 0)
+    out, meta = [], []
+    for shape in shapes:
+        sets = []
+        for i in range(request.get("max_sets", 8)):
+            seed = derive_seed(request["nonce"], shape["name"], 1000 + i)
+            inputs, init_inputs = make_case(task, shape, seed, "normal")
+            if i == 0:
+                model = build_reference(task, init_inputs, seed)
+                state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
+            sets.append({"seed": seed, "inputs": inputs, "init_inputs": init_inputs,
+                         "state_dict": state if i == 0 else {}})
+            if len(sets) >= 2 and _input_bytes(inputs) * len(sets) >= target:
+                break
+        out.append({"name": shape["name"], "sets": sets})
+        meta.append({"name": shape["name"], "sets": len(sets),
+                     "input_bytes": _input_bytes(sets[0]["inputs"]),
+                     "flops": _model_value(task, "flops", shape),
+                     "bytes_moved": _model_value(task, "bytes_moved", shape)})
+    torch.save({"shapes": out}, request["cases_file"])
+    return {"shapes": meta}
+
+
+def _to_float64(values: list) -> list:
+    return [v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values]
+
+
+def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device: torch.device):
+    """(native outputs, float64 outputs or None, note)."""
+    model = build_reference(task, init_inputs, case["seed"])
+    model64 = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else None
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device).eval()
+    with torch.no_grad():
+        native = [o.detach() for o in as_output_list(model(*to_device(inputs, device)))]
+    synchronize(device)
+    note = None
+    exact = None
+    if getattr(task, "REFERENCE_PRECISION", "float64") == "float64" and model64 is not None:
+        try:
+            model64 = model64.double().to(device).eval()
+            with torch.no_grad():
+                exact = [o.detach().double() for o in
+                         as_output_list(model64(*to_device(_to_float64(inputs), device)))]
+            synchronize(device)
+        except Exception as exc:  # some ops have no float64 kernel on some devices
+            note = f"float64 reference unavailable ({type(exc).__name__}); compared to native"
+            exact = None
+    return native, exact, note
+
+
+def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | None,
+                tolerance: dict[str, float]) -> dict[str, Any]:
+    result: dict[str, Any] = {"dtype": canonical_dtype(native.dtype), "shape_match": True,
+                              "dtype_match": True, "nan_inf_parity": True, "max_abs_err": None,
+                              "max_rel_err": None, "mismatched": None, "message": None,
+                              "atol": tolerance["atol"], "rtol": tolerance["rtol"], "passed": False}
+    if tuple(out.shape) != tuple(native.shape):
+        result["shape_match"] = False
+        result["message"] = f"output shape {tuple(out.shape)} != reference {tuple(native.shape)}"
+        return result
+    if out.dtype != native.dtype:
+        result["dtype_match"] = False
+        result["message"] = f"output dtype {out.dtype} != reference {native.dtype}"
+        return result
+    target = (exact if exact is not None else native).to("cpu", torch.float64)
+    got = out.to("cpu", torch.float64)
+    ref_nan, got_nan = torch.isnan(target), torch.isnan(got)
+    inf = float("inf")
+    parity = (torch.equal(ref_nan, got_nan) and torch.equal(target == inf, got == inf)
+              and torch.equal(target == -inf, got == -inf))
+    result["nan_inf_parity"] = bool(parity)
+    finite = torch.isfinite(target) & torch.isfinite(got)
+    diff = (got - target).abs()[finite]
+    scale = target.abs()[finite]
+    if diff.numel():
+        result["max_abs_err"] = float(diff.max())
+        result["max_rel_err"] = float((diff / scale.clamp_min(1e-12)).max())
+        bad = diff > tolerance["atol"] + tolerance["rtol"] * scale
+        result["mismatched"] = int(bad.sum())
+    else:
+        result["max_abs_err"] = result["max_rel_err"] = 0.0
+        result["mismatched"] = 0
+    if not result["nan_inf_parity"]:
+        result["message"] = (f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN, "
+                             f"candidate {int(got_nan.sum())}")
+    elif result["mismatched"]:
+        result["message"] = (f"{result['mismatched']} of {got.numel()} elements outside "
+                             f"atol={tolerance['atol']:g} rtol={tolerance['rtol']:g} "
+                             f"(max abs err {result['max_abs_err']:.3g})")
+    result["passed"] = result["nan_inf_parity"] and result["mismatched"] == 0
+    return result
+
+
+def degenerate(native: list[torch.Tensor]) -> bool:
+    """Outputs that a constant could match (METR dropped such tasks): worth a warning."""
+    for t in native:
+        if t.is_floating_point() and t.numel() > 1:
+            v = t.double()
+            finite = v[torch.isfinite(v)]
+            if finite.numel() and float(finite.std()) < 1e-6 * max(1.0, float(finite.abs().mean())):
+                return True
+    return False
+
+
+def compare(request: dict) -> dict:
+    task = load_module(request["task"], "loom_task")
+    device = pick_device(request.get("device"))
+    tolerances = {canonical_key(k): v for k, v in (request.get("tolerances") or {}).items()}
+    task_tol = getattr(task, "TOLERANCE", None)
+    if isinstance(task_tol, dict):
+        tolerances.update({canonical_key(k): dict(v) for k, v in task_tol.items()})
+    custom_check = getattr(task, "check", None)
+    outputs = torch.load(request["outputs_file"], weights_only=True)["outputs"]
+    results = []
+    for index, case in enumerate(request["cases"]):
+        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
+        entry: dict[str, Any] = {"outputs": [], "inputs_reproducible": True, "note": None,
+                                 "degenerate": False, "error": None}
+        if tensor_digest(inputs) != request["digests"][index]:
+            entry["inputs_reproducible"] = False
+        try:
+            native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
+        except Exception as exc:
+            entry["error"] = "reference failed: " + user_traceback(exc, request["task"])
+            results.append(entry)
+            continue
+        entry["note"] = note
+        entry["degenerate"] = degenerate(native)
+        got = outputs[index] if index < len(outputs) else None
+        if got is None:
+            results.append(entry)
+            continue
+        if len(got) != len(native):
+            entry["error"] = f"candidate returned {len(got)} outputs, reference {len(native)}"
+            results.append(entry)
+            continue
+        for i, (out, ref) in enumerate(zip(got, native)):
+            tol = tolerances.get(canonical_dtype(ref.dtype), {"atol": 0.0, "rtol": 0.0})
+            one = compare_one(out, ref, exact[i] if exact else None, tol)
+            if custom_check is not None and one["shape_match"] and one["dtype_match"]:
+                try:
+                    ok = bool(custom_check(out.to(ref.device), ref))
+                except Exception as exc:
+                    ok = False
+                    one["message"] = "task check raised: " + user_traceback(exc, request["task"])
+                one["passed"] = ok
+                if not ok and not one["message"]:
+                    one["message"] = "the task's check(out, ref) returned False"
+            entry["outputs"].append(one)
+        results.append(entry)
+    return {"cases": results, "device": str(device)}
+
+
+def main() -> None:
+    request = read_request() or {}
+    started = time.perf_counter()
+    handler = {"prepare": prepare, "prepare_bench": prepare_bench, "compare": compare}[request["mode"]]
+    try:
+        result = handler(request)
+        result["error"] = None
+    except Exception as exc:
+        result = {"error": user_traceback(exc, request["task"])}
+    result["seconds"] = time.perf_counter() - started
+    if not math.isfinite(result["seconds"]):
+        result["seconds"] = None
+    send_result(result)
+
+
+if __name__ == "__main__":
+    main()

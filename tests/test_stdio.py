@@ -1,0 +1,202 @@
+"""The installed console script as a real subprocess: stdio, HTTP, kill -9, an external client."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+from loom_mcp.store import Ledger
+
+LOOM = str(Path(sys.executable).with_name("loom-mcp"))
+
+
+def server_env(home: Path, roots: Path) -> dict[str, str]:
+    return {"LOOM_HOME": str(home), "LOOM_ALLOWED_ROOTS": str(roots), "PYTHONUNBUFFERED": "1"}
+
+
+def params(home: Path, roots: Path) -> StdioServerParameters:
+    return StdioServerParameters(command=LOOM, args=["--stdio"], env=server_env(home, roots))
+
+
+def rpc(msg_id: int | None, method: str, params: dict | None = None) -> bytes:
+    msg: dict = {"jsonrpc": "2.0", "method": method}
+    if msg_id is not None:
+        msg["id"] = msg_id
+    if params is not None:
+        msg["params"] = params
+    return (json.dumps(msg) + "\n").encode()
+
+
+INIT = {"protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw-test", "version": "0"}}
+
+
+def read_response(proc: subprocess.Popen, want_id: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("server closed stdout")
+        msg = json.loads(line)  # every byte on stdout must be protocol
+        if msg.get("id") == want_id:
+            return msg
+    raise AssertionError("no response")
+
+
+@pytest.mark.anyio
+async def test_stdio_client_lists_and_calls(tmp_path):
+    async with Client(params(tmp_path / "home", tmp_path)) as client:
+        tools = {t.name for t in (await client.list_tools()).tools}
+        assert {"device_info", "start_campaign"} <= tools
+        result = await client.call_tool("device_info", {})
+        assert result.is_error is False
+        assert any(d["vendor"] == "cpu" for d in result.structured_content["devices"])
+
+
+def test_stdout_carries_only_protocol(tmp_path):
+    proc = subprocess.Popen([LOOM, "--stdio"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **server_env(tmp_path / "h", tmp_path)})
+    proc.stdin.write(rpc(1, "initialize", INIT))
+    proc.stdin.write(rpc(None, "notifications/initialized"))
+    proc.stdin.write(rpc(2, "tools/list"))
+    proc.stdin.write(rpc(3, "tools/call", {"name": "device_info", "arguments": {}}))
+    proc.stdin.close()
+    out, err = proc.communicate(timeout=120)
+    messages = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    ids = {m.get("id") for m in messages}
+    assert {1, 2, 3} <= ids
+    assert proc.returncode == 0, err.decode()[-2000:]
+
+
+def test_ledger_survives_kill_9_mid_call(tmp_path):
+    home = tmp_path / "home"
+    proc = subprocess.Popen([LOOM, "--stdio"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **server_env(home, tmp_path)})
+    try:
+        proc.stdin.write(rpc(1, "initialize", INIT))
+        proc.stdin.write(rpc(None, "notifications/initialized"))
+        proc.stdin.write(rpc(2, "tools/call", {"name": "device_info", "arguments": {}}))
+        proc.stdin.flush()
+        assert "result" in read_response(proc, 2)
+        # refresh=True spawns a worker that imports torch: long enough to kill the server mid-call.
+        proc.stdin.write(rpc(3, "tools/call", {"name": "device_info", "arguments": {"refresh": True}}))
+        proc.stdin.flush()
+        ledger_path = home / "ledger.sqlite3"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            running = [r for r in Ledger(ledger_path).calls() if r.outcome == "running"]
+            if running:
+                break
+            time.sleep(0.02)
+        assert running, "the refresh call never started"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ledger = Ledger(home / "ledger.sqlite3")
+    assert ledger.interrupted_on_open == 1
+    assert [r.outcome for r in ledger.calls(tool="device_info")] == ["ok", "interrupted"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("server did not listen")
+
+
+@pytest.mark.anyio
+async def test_http_transport_on_loopback(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([LOOM, "--http", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **server_env(tmp_path / "h", tmp_path)})
+    try:
+        wait_listening(port, proc)
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            result = await client.call_tool("device_info", {})
+            assert result.is_error is False
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_remote_bind_needs_flag_and_token(tmp_path):
+    env = {**os.environ, **server_env(tmp_path / "h", tmp_path)}
+    env.pop("LOOM_HTTP_TOKEN", None)
+    no_flag = subprocess.run([LOOM, "--http", "--host", "0.0.0.0"], env=env, capture_output=True, timeout=30)
+    assert no_flag.returncode == 2 and b"--allow-remote" in no_flag.stderr
+    no_token = subprocess.run([LOOM, "--http", "--host", "0.0.0.0", "--allow-remote"], env=env,
+                              capture_output=True, timeout=30)
+    assert no_token.returncode == 2 and b"LOOM_HTTP_TOKEN" in no_token.stderr
+
+
+def test_bearer_token_is_enforced(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    token = "t" * 32
+    env = {**os.environ, **server_env(tmp_path / "h", tmp_path), "LOOM_HTTP_TOKEN": token}
+    proc = subprocess.Popen([LOOM, "--http", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port, proc)
+        body = rpc(1, "initialize", INIT)
+        headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/mcp", data=body, headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(request, timeout=10)
+        assert denied.value.code == 401
+        request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=10) as ok:
+            assert ok.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_version_and_doctor(tmp_path):
+    version = subprocess.run([LOOM, "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.startswith("loom-mcp ")
+    env = {**os.environ, **server_env(tmp_path / "h", tmp_path)}
+    doctor = subprocess.run([LOOM, "doctor", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert doctor.returncode == 0, doctor.stderr[-2000:]
+    report = json.loads(doctor.stdout)
+    assert any(d["vendor"] == "cpu" for d in report["devices"])
+    assert "network" in report["isolation"]
+    if not any(d["vendor"] != "cpu" for d in report["devices"]):
+        assert any("no GPU" in item for item in report["limitations"])
+
+
+@pytest.mark.skipif(shutil.which("npx") is None, reason="npx is not installed")
+def test_mcp_inspector_cli_lists_tools(tmp_path):
+    env = {**os.environ, **server_env(tmp_path / "h", tmp_path)}
+    cmd = ["npx", "-y", "@modelcontextprotocol/inspector", "--cli",
+           "-e", f"LOOM_HOME={tmp_path / 'h'}", "-e", f"LOOM_ALLOWED_ROOTS={tmp_path}",
+           LOOM, "--stdio", "--method", "tools/list"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = {t["name"] for t in json.loads(done.stdout)["tools"]}
+    assert {"device_info", "start_campaign"} <= names
