@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import GateConfig
 from loom_mcp.models import Budgets
 
 if sys.version_info >= (3, 11):
@@ -23,14 +24,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 CONFIG_FILE = "loom.toml"
 
 
-class GateThresholds(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    min_gain: float = Field(default=0.02, ge=0, description="Geomean CI lower bound must exceed 1+min_gain")
-    max_regression: float = Field(default=0.02, ge=0, description="No shape may be slower by more")
-    max_plausible_speedup: float = Field(default=10.0, gt=1, description="Above this: needs_review")
-    seeds: int = Field(default=5, ge=1, description="Validation seeds per shape")
-
-
 class LoomConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     home: Path
@@ -38,7 +31,7 @@ class LoomConfig(BaseModel):
         description="Repositories, tasks and candidates must live under one of these directories"
     )
     budgets: Budgets = Field(default_factory=Budgets)
-    gate: GateThresholds = Field(default_factory=GateThresholds)
+    gate: GateConfig = Field(default_factory=GateConfig)
     job_timeout_s: float = Field(default=900.0, gt=0)
     lease_timeout_s: float = Field(default=900.0, gt=0)
 

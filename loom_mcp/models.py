@@ -118,3 +118,112 @@ class StartCampaignResult(_Model):
     budgets: Budgets
     config_fingerprint: str
     next_step: str
+
+
+# ---------------------------------------------------------------- compile_kernel
+
+
+class KernelResources(_Model):
+    name: str = Field(description="Kernel (entry function) name, demangled where possible")
+    registers: int | None = Field(default=None, description="Per thread (NVIDIA) / VGPRs (AMD)")
+    sgprs: int | None = None
+    spill_stores_bytes: int | None = None
+    spill_loads_bytes: int | None = None
+    stack_bytes: int | None = None
+    shared_memory_bytes: int | None = Field(default=None, description="Static shared memory / LDS per block")
+    num_warps: int | None = None
+    num_stages: int | None = None
+    occupancy: float | None = Field(
+        default=None, description="Estimated resident warps / max warps per SM (CU), 0..1"
+    )
+    occupancy_limiter: str | None = Field(default=None, description="registers | shared_memory | warps")
+
+
+class CompileDiagnostic(_Model):
+    severity: Literal["error", "warning", "note"]
+    message: str
+    file: str | None = None
+    line: int | None = None
+
+
+class CompileResult(_Model):
+    ok: bool
+    language: Literal["triton", "cuda", "hip"]
+    target: str | None = Field(description="sm_90, gfx942, or 'interpreter' (CPU)")
+    artifact_id: str | None = Field(default=None, description="Content hash of the compiled object")
+    cached: bool = Field(description="True when this exact source/compiler/target/flags was compiled before")
+    compiler: str | None = Field(default=None, description="Compiler and version used")
+    kernels: list[KernelResources] = Field(default_factory=list)
+    diagnostics: list[CompileDiagnostic] = Field(default_factory=list)
+    seconds: float
+    note: str | None = None
+    next_step: str
+
+
+# ---------------------------------------------------------------- run_validation / benchmark
+
+
+class CheckFinding(_Model):
+    check: str = Field(description="Stable check name, e.g. 'validation.mismatch', 'static.threads'")
+    severity: Literal["error", "warning"]
+    message: str
+    where: str | None = None
+
+
+class CaseSummary(_Model):
+    shape: str
+    seed: int
+    input_kind: str
+    passed: bool
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    message: str | None = None
+
+
+class RunValidationResult(_Model):
+    validation_id: str
+    passed: bool
+    device: str
+    shapes: list[str]
+    seeds_per_shape: int
+    cases_total: int
+    cases_failed: int
+    failing_cases: list[CaseSummary] = Field(description="At most 8; the full table is at loom://runs/{id}")
+    worst_case: CaseSummary | None = Field(default=None, description="Largest relative error among passing cases")
+    findings: list[CheckFinding]
+    seconds: float
+    next_step: str
+
+
+class ShapeSpeed(_Model):
+    name: str
+    baseline_median_s: float
+    candidate_median_s: float
+    speedup: float = Field(description="baseline / candidate (above 1: candidate faster)")
+    ci_low: float
+    ci_high: float
+    pairs: int = Field(description="Interleaved A/B sample pairs kept")
+    candidate_cv: float = Field(description="Coefficient of variation of the candidate's samples")
+    floor_s: float | None = None
+    roofline_fraction: float | None = Field(default=None, description="floor / candidate median")
+
+
+class BenchmarkResult(_Model):
+    benchmark_id: str
+    device: str
+    timer: str
+    timer_note: str | None = None
+    shapes: list[ShapeSpeed]
+    geomean_speedup: float | None
+    geomean_ci_low: float | None
+    geomean_ci_high: float | None
+    ci_level: float
+    l2_flushed: bool | None
+    graph_replay: bool | None
+    throttled_samples_dropped: int
+    proof_of_execution: bool | None
+    proof_note: str | None
+    findings: list[CheckFinding]
+    device_state: dict[str, float | str | None] | None = None
+    seconds: float
+    next_step: str

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import orjson
@@ -26,7 +26,15 @@ from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.inventory import device_info as device_info_impl
-from loom_mcp.models import Budgets, DeviceInfoResult, StartCampaignResult
+from loom_mcp import judge
+from loom_mcp.models import (
+    BenchmarkResult,
+    Budgets,
+    CompileResult,
+    DeviceInfoResult,
+    RunValidationResult,
+    StartCampaignResult,
+)
 from loom_mcp.store import ArtifactStore, Ledger
 
 log = logging.getLogger("loom_mcp")
@@ -101,6 +109,9 @@ async def run_recorded(
     services.ledger.end_call(call_id, "ok", device_s=scope.device_s, campaign_id=scope.campaign_id)
     return result
 
+
+ShapeNames = Annotated[list[str] | None, Field(
+    description="Subset of the task's SHAPES names; default all")]
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
                             open_world_hint=False)
@@ -178,6 +189,107 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             return result
 
         return await run_recorded(services, "start_campaign", arguments, body)
+
+    def progress_of(ctx: Context) -> Callable[[str], Awaitable[None]]:
+        """Progress messages for long jobs (clients that did not ask for progress ignore them)."""
+        step = 0
+
+        async def report(message: str) -> None:
+            nonlocal step
+            step += 1
+            await ctx.report_progress(step, total=None, message=message)
+
+        return report
+
+    @server.tool(title="Compile kernel", annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False))
+    async def compile_kernel(
+        ctx: Context,
+        source: Annotated[str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")],
+        language: Annotated[Literal["triton", "cuda", "hip"], Field(description="Source language")],
+        target: Annotated[str | None, Field(max_length=32, description="sm_90, gfx942, ...; default: this server's device")] = None,
+        flags: Annotated[list[str] | None, Field(max_length=32, description="Extra nvcc/hipcc flags (e.g. -O3, -std=c++17)")] = None,
+        task: Annotated[str | None, Field(description="Triton only: a task file; the candidate runs once on its first shape so kernels are specialized and compiled for real")] = None,
+    ) -> CompileResult:
+        """Compile a kernel in the sandbox and report per kernel: registers, spills, shared memory,
+        warps/stages and an occupancy estimate. Triton kernels are compiled by running the file's
+        ModelNew on the task's first shape (pass task=); CUDA via nvcc -Xptxas -v, HIP via hipcc
+        resource-usage remarks. Errors come back as [COMPILE_ERROR] diagnostics with your file:line.
+        Cached by content hash of source, compiler version, target and flags (cached=true says so)."""
+        arguments = {"source": source, "language": language, "target": target, "flags": flags, "task": task}
+
+        async def body(scope: CallScope) -> CompileResult:
+            result, device_s = await judge.compile_kernel(
+                config, services.artifacts, source=source, language=language, target=target,
+                flags=flags or [], task=task, progress=progress_of(ctx))
+            scope.device_s = device_s
+            if not result.ok:
+                where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
+                                  for d in result.diagnostics if d.severity == "error")
+                raise LoomError(ErrorCode.COMPILE_ERROR, where or "compilation failed")
+            return result
+
+        return await run_recorded(services, "compile_kernel", arguments, body)
+
+    @server.tool(title="Run validation", annotations=RECORDS)
+    async def run_validation(
+        ctx: Context,
+        task: Annotated[str, Field(description="Task file (KernelBench format: Model, get_inputs, get_init_inputs; optional SHAPES, TOLERANCE)")],
+        candidate: Annotated[str, Field(description="Candidate file defining ModelNew with Model's constructor and forward signature")],
+        seeds: Annotated[int | None, Field(ge=1, le=50, description="Seeds per shape; never fewer than the server's policy (default 5)")] = None,
+        shapes: ShapeNames = None,
+        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+    ) -> RunValidationResult:
+        """Check a candidate against the task's reference over every shape x seed (fresh secret seeds,
+        normal, heavy-tailed and scaled inputs), in float64 with per-dtype tolerances, plus behaviour
+        checks: NaN/Inf parity, output type and aliasing, input mutation, bitwise determinism, late
+        writes (other streams/threads), and static checks of the source. The candidate runs in its own
+        process before any reference output exists. Returns passed, failing cases and named findings;
+        the full table is at loom://runs/{validation_id}."""
+        arguments = {"task": task, "candidate": candidate, "seeds": seeds, "shapes": shapes}
+
+        async def body(scope: CallScope) -> RunValidationResult:
+            result, _, device_s = await judge.run_validation(
+                config, services.ledger, services.artifacts, task=task, candidate=candidate,
+                seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))
+            scope.device_s = device_s
+            return result
+
+        return await run_recorded(services, "run_validation", arguments, body, campaign_id)
+
+    @server.tool(title="Benchmark", annotations=RECORDS)
+    async def benchmark(
+        ctx: Context,
+        task: Annotated[str, Field(description="Task file; its Model is the default baseline")],
+        candidate: Annotated[str, Field(description="Candidate file defining ModelNew")],
+        baseline: Annotated[str | None, Field(description="Another candidate file (ModelNew) to compare against instead of the task's Model")] = None,
+        shapes: ShapeNames = None,
+        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+    ) -> BenchmarkResult:
+        """Time candidate vs baseline interleaved (ABBA) in two warm sandboxed workers: L2 flushed and
+        inputs rotated before every sample, device events, graph replay for short kernels, clocks
+        sampled (throttled pairs dropped), stopping at 0.5 % standard error or a time cap. Returns per
+        shape medians, speedup with a bootstrap 95 % CI, roofline fraction when the task gives
+        flops/bytes_moved, the geomean with its CI, and whether the candidate's own kernels ran.
+        Timed outputs are checksummed at secret positions against the baseline's."""
+        arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes}
+
+        async def body(scope: CallScope) -> BenchmarkResult:
+            result, _, _, device_s = await judge.run_benchmark(
+                config, services.ledger, services.artifacts, task=task, candidate=candidate,
+                baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))
+            scope.device_s = device_s
+            return result
+
+        return await run_recorded(services, "benchmark", arguments, body, campaign_id)
+
+    @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
+                     mime_type="application/json")
+    def run_resource(run_id: str) -> str:
+        row = services.ledger.run(run_id)
+        if row is None:
+            raise ResourceNotFoundError(f"no run {run_id!r}")
+        return services.artifacts.get_bytes(row["record_sha"]).decode()
 
     @server.resource("loom://campaigns/{campaign_id}", name="campaign", title="Campaign record",
                      mime_type="application/json")

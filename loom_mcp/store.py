@@ -62,6 +62,17 @@ MIGRATIONS: tuple[str, ...] = (
         created_at REAL NOT NULL
     );
     """,
+    """
+    CREATE TABLE runs (
+        id TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,              -- validation | benchmark | compile | trace_analysis
+        campaign_id TEXT,
+        created_at REAL NOT NULL,
+        record_sha TEXT NOT NULL,        -- the full JSON record in the artifact store
+        summary_json TEXT NOT NULL
+    );
+    CREATE INDEX runs_kind ON runs(kind, created_at);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -216,6 +227,21 @@ class Ledger:
             row = self._db.execute("SELECT * FROM campaigns WHERE id=?", (campaign_id,)).fetchone()
         return dict(row) if row else None
 
+    # -- runs (full records live in the artifact store; the ledger keeps the index)
+    def insert_run(self, run_id: str, kind: str, record_sha: str, summary: dict[str, Any],
+                   campaign_id: str | None = None) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO runs(id, kind, campaign_id, created_at, record_sha, summary_json)"
+                " VALUES (?,?,?,?,?,?)",
+                (run_id, kind, campaign_id, time.time(), record_sha, orjson.dumps(summary).decode()),
+            )
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+        return dict(row) if row else None
+
     # -- artifacts
     def record_artifact(self, sha256: str, size: int, kind: str, name: str | None) -> None:
         with self.transaction() as db:
@@ -224,6 +250,13 @@ class Ledger:
                 " VALUES (?,?,?,?,?)",
                 (sha256, size, kind, name, time.time()),
             )
+
+
+def new_run_id(kind: str) -> str:
+    import secrets
+
+    prefix = {"validation": "v", "benchmark": "b", "compile": "k", "trace_analysis": "a"}.get(kind, "r")
+    return f"{prefix}{time.strftime('%Y%m%d')}-{secrets.token_hex(4)}"
 
 
 class ArtifactStore:

@@ -1,0 +1,243 @@
+"""benchmark: interleaved A/B timing of a candidate against a baseline, judged in the server.
+
+The task's inputs are prepared by the trusted reference worker; two warm sandboxed arms
+(baseline, candidate) connect back over a Unix socket and time one sample per request, in
+ABBA order. The server keeps every sample, samples clocks between pairs, compares output
+checksums taken at secret positions, applies the stopping rule, and computes the statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from loom_mcp.bench.stats import analyze_shapes
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples
+from loom_mcp.models import DevicePeak
+from loom_mcp.sandbox import JobSpec, run_job
+
+Progress = Callable[[str], Awaitable[None]]
+GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
+CHECKSUM_RTOL = 2e-2
+
+
+class ArmConnection:
+    def __init__(self, stream: SocketStream, role: str) -> None:
+        self.stream = stream
+        self.reader = BufferedByteReceiveStream(stream)
+        self.role = role
+
+    async def ask(self, command: dict, timeout_s: float) -> dict:
+        await self.stream.send((json.dumps(command) + "\n").encode())
+        with anyio.fail_after(timeout_s):
+            line = await self.reader.receive_until(b"\n", max_bytes=1 << 20)
+        reply = json.loads(line)
+        if reply.get("error"):
+            raise ArmError(self.role, reply["error"])
+        return reply
+
+
+class ArmError(Exception):
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(f"{role}: {message}")
+        self.role = role
+
+
+def declared_kernels(source: str) -> set[str]:
+    """Kernel names a candidate defines itself: @triton.jit functions and __global__ functions."""
+    import re
+
+    names = set(re.findall(r"@triton\.(?:jit|autotune|heuristics)[\s\S]*?def\s+(\w+)", source))
+    names |= set(re.findall(r"__global__\s+void\s+(\w+)", source))
+    return names
+
+
+def sums_agree(a: list[float] | None, b: list[float] | None) -> bool:
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(math.isclose(x, y, rel_tol=CHECKSUM_RTOL, abs_tol=1e-3 * max(1.0, abs(y)))
+               or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+async def benchmark_candidate(
+    *,
+    task: Path,
+    candidate: Path,
+    baseline: Path | None,
+    job_dir: Path,
+    shapes: list[str] | None,
+    device: str,
+    gate: GateConfig,
+    peak: DevicePeak | None,
+    flush_bytes: int,
+    timeout_s: float,
+    benchmark_id: str,
+    clock_sampler: Callable[[], dict[str, Any]] | None = None,
+    progress: Progress | None = None,
+) -> tuple[BenchmarkEvidence, list[Finding]]:
+    async def say(message: str) -> None:
+        if progress:
+            await progress(message)
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    cases_file = job_dir / "prep" / "bench_cases.pt"
+    await say("preparing rotated input sets")
+    prep = await run_job(JobSpec(
+        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep", env=env,
+        timeout_s=timeout_s,
+        request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
+                 "nonce": secrets.randbits(62), "cases_file": str(cases_file),
+                 "rotate_bytes": 2 * flush_bytes, "max_sets": 8},
+    ), on_progress=progress)
+    if not prep.ok or not prep.result or prep.result.get("error"):
+        detail = (prep.result or {}).get("error") or prep.stderr_tail[-1500:]
+        raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare benchmark inputs: {detail}")
+    shape_meta: list[dict] = prep.result["shapes"]
+
+    token = secrets.token_hex(16)
+    sock_path = job_dir / "arms.sock"
+    arms_spec = {
+        "baseline": (baseline or task, "ModelNew" if baseline else "Model"),
+        "candidate": (candidate, "ModelNew"),
+    }
+    findings: list[Finding] = []
+    samples: dict[str, dict[str, list]] = {m["name"]: {"a": [], "b": [], "throttled": []}
+                                           for m in shape_meta}
+    graph_used = False
+    proof: bool | None = None
+    proof_note: str | None = None
+    arm_results: dict[str, Any] = {}
+
+    async with await anyio.create_unix_listener(sock_path) as listener:
+        async def launch(role: str) -> None:
+            module, class_name = arms_spec[role]
+            arm_results[role] = await run_job(JobSpec(
+                argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env,
+                timeout_s=timeout_s,
+                request={"role": role, "module": str(module), "class_name": class_name,
+                         "cases_file": str(cases_file), "socket": str(sock_path), "token": token,
+                         "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S},
+            ))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(launch, "baseline")
+            tg.start_soon(launch, "candidate")
+            arms: dict[str, ArmConnection] = {}
+            try:
+                with anyio.fail_after(min(timeout_s, 300)):
+                    while len(arms) < 2:
+                        stream = await listener.accept()
+                        conn = ArmConnection(stream, "?")
+                        hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
+                        if hello.get("hello") != token or hello.get("role") not in arms_spec:
+                            await stream.aclose()
+                            continue
+                        conn.role = hello["role"]
+                        if hello.get("error"):
+                            raise ArmError(conn.role, hello["error"])
+                        arms[conn.role] = conn
+                graph_used, proof, proof_note = await _run_pairs(
+                    arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
+            except ArmError as exc:
+                tg.cancel_scope.cancel()
+                code = ErrorCode.BAD_INPUT
+                raise LoomError(code, f"the {exc.role} arm failed: {exc}") from exc
+            except TimeoutError as exc:
+                tg.cancel_scope.cancel()
+                raise LoomError(ErrorCode.TIMEOUT, "a benchmark arm stopped answering") from exc
+            finally:
+                for conn in arms.values():
+                    with anyio.move_on_after(5):
+                        try:
+                            await conn.ask({"op": "quit"}, 5)
+                        except Exception:
+                            pass
+
+    shape_samples = [
+        ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
+                     candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],
+                     flops=m["flops"], bytes_moved=m["bytes_moved"])
+        for m in shape_meta
+    ]
+    peak_bw = peak.memory_bandwidth_bytes_s if peak else None
+    peak_flops = None
+    if peak:
+        peak_flops = peak.flops.get("bf16") or peak.flops.get("fp16") or peak.flops.get("fp32")
+    stats = analyze_shapes(shape_samples, gate, peak_bandwidth=peak_bw, peak_flops=peak_flops)
+    timer = "wall_clock" if device == "cpu" else ("hip_events" if peak and peak.vendor == "amd"
+                                                  else "cuda_events")
+    evidence = BenchmarkEvidence(
+        benchmark_id=benchmark_id, device=device, timer=timer, shapes=stats.shapes,
+        geomean=stats.geomean, throttled_samples_dropped=stats.throttled_samples_dropped,
+        outliers_dropped=stats.outliers_dropped, l2_flushed=flush_bytes > 0,
+        graph_replay=graph_used, proof_of_execution=proof, proof_note=proof_note,
+    )
+    return evidence, findings
+
+
+async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clock_sampler,
+                     findings: list[Finding], say, candidate: Path):
+    from loom_mcp.bench.stats import should_stop_paired
+
+    graph_used = False
+    mismatch_reported = False
+    for shape_index, meta in enumerate(shape_meta):
+        name = meta["name"]
+        setup_a = await arms["baseline"].ask({"op": "setup", "shape": shape_index}, timeout_s)
+        setup_b = await arms["candidate"].ask({"op": "setup", "shape": shape_index}, timeout_s)
+        graph_used = graph_used or setup_a["graph"] or setup_b["graph"]
+        started = time.monotonic()
+        pair = 0
+        record = samples[name]
+        while True:
+            set_index = pair % meta["sets"]
+            probe = [secrets.randbelow(1 << 30) for _ in range(16)]
+            before = clock_sampler() if clock_sampler else None
+            order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
+            got = {}
+            for role in order:
+                got[role] = await arms[role].ask({"op": "sample", "set": set_index, "probe": probe},
+                                                 timeout_s)
+            after = clock_sampler() if clock_sampler else None
+            record["a"].append(got["baseline"]["t"])
+            record["b"].append(got["candidate"]["t"])
+            record["throttled"].append(bool((before or {}).get("throttled") or (after or {}).get("throttled")))
+            if not sums_agree(got["candidate"]["sums"], got["baseline"]["sums"]) and not mismatch_reported:
+                mismatch_reported = True
+                findings.append(Finding(
+                    check="benchmark.output_mismatch", severity="error",
+                    message=f"{name}: while being timed the candidate's output differs from the "
+                            "baseline's at sampled positions (honest only when validated?)"))
+            pair += 1
+            elapsed = time.monotonic() - started
+            if should_stop_paired(record["a"], record["b"], gate, elapsed):
+                break
+            if pair % 20 == 0:
+                await say(f"{name}: {pair} pairs, {elapsed:.1f} s")
+        await say(f"{name}: {pair} pairs done")
+
+    proof, note = None, "proof of execution needs a GPU profiler (CPU run)"
+    listing = await arms["candidate"].ask({"op": "kernels"}, timeout_s)
+    if listing.get("kernels") is not None:
+        declared = declared_kernels(candidate.read_text())
+        seen = listing["kernels"]
+        if not declared:
+            proof, note = None, "the candidate defines no kernels of its own; nothing to prove"
+        else:
+            hit = sorted(d for d in declared if any(d in k for k in seen))
+            proof = bool(hit)
+            note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
+                    f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
+    return graph_used, proof, note

@@ -1,0 +1,177 @@
+"""compile_kernel: Triton, CUDA (nvcc) and HIP (hipcc) in the sandbox, cached by content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Literal
+
+import orjson
+
+from loom_mcp.compile.reports import (
+    estimate_occupancy,
+    parse_amd_resource_usage,
+    parse_diagnostics,
+    parse_ptxas,
+)
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources
+from loom_mcp.sandbox import JobSpec, run_job
+from loom_mcp.store import ArtifactStore
+
+Language = Literal["triton", "cuda", "hip"]
+Progress = Callable[[str], Awaitable[None]]
+CACHE_VERSION = "1"
+
+
+def _compiler_version(tool: str) -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "unknown"
+
+
+def cache_key(*parts: str | bytes) -> str:
+    h = hashlib.sha256(CACHE_VERSION.encode())
+    for part in parts:
+        h.update(b"\0")
+        h.update(part if isinstance(part, bytes) else part.encode())
+    return h.hexdigest()
+
+
+def _next_step(ok: bool, language: str) -> str:
+    if not ok:
+        return "fix the errors at the file:line given, then compile_kernel again"
+    return "run_validation(task, candidate) to check correctness"
+
+
+async def compile_source(
+    *,
+    source: Path,
+    language: Language,
+    target: str | None,
+    flags: list[str],
+    task: Path | None,
+    device: str,
+    cache_dir: Path,
+    artifacts: ArtifactStore,
+    job_dir: Path,
+    timeout_s: float,
+    toolchain_triton: str | None,
+    progress: Progress | None = None,
+) -> CompileResult:
+    started = time.perf_counter()
+    data = source.read_bytes()
+    if language == "triton":
+        compiler = f"triton {toolchain_triton or 'unknown'}"
+        effective_target = target or ("interpreter" if device == "cpu" else device)
+        extra = task.read_bytes() if task else b""
+    else:
+        tool = "nvcc" if language == "cuda" else "hipcc"
+        path = shutil.which(tool)
+        if path is None:
+            raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
+                            f"{tool} not found on PATH; install the {'CUDA' if tool == 'nvcc' else 'ROCm'} "
+                            "toolkit or compile on a machine that has it (loom-mcp doctor lists toolchains)")
+        compiler = f"{tool} {_compiler_version(path)}"
+        effective_target = target or ("sm_90" if language == "cuda" else "gfx942")
+        extra = b""
+    key = cache_key(language, compiler, effective_target, " ".join(flags), data, extra)
+    cached_file = cache_dir / "compile" / f"{key}.json"
+    if cached_file.is_file():
+        result = CompileResult.model_validate_json(cached_file.read_bytes())
+        result.cached = True
+        result.seconds = time.perf_counter() - started
+        return result
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if language == "triton":
+        result = await _compile_triton(source, task, device, job_dir, timeout_s, compiler,
+                                       effective_target, progress)
+    else:
+        result = await _compile_native(source, language, effective_target, flags, job_dir,
+                                       timeout_s, compiler, artifacts, progress)
+    result.seconds = time.perf_counter() - started
+    if result.ok or result.diagnostics:  # never cache a timeout or a crash
+        cached_file.parent.mkdir(parents=True, exist_ok=True)
+        cached_file.write_bytes(orjson.dumps(result.model_dump()))
+    return result
+
+
+async def _compile_native(source, language, target, flags, job_dir, timeout_s, compiler, artifacts,
+                          progress) -> CompileResult:
+    obj = job_dir / "kernel.o"
+    if language == "cuda":
+        argv = ["nvcc", "-c", f"-arch={target}", "-Xptxas", "-v", "-lineinfo", *flags,
+                str(source), "-o", str(obj)]
+    else:
+        argv = ["hipcc", "-c", f"--offload-arch={target}", "-Rpass-analysis=kernel-resource-usage",
+                *flags, str(source), "-o", str(obj)]
+    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
+    text = job.stdout_tail + "\n" + job.stderr_tail
+    if job.timed_out:
+        raise LoomError(ErrorCode.TIMEOUT, f"{compiler} did not finish in {timeout_s:.0f} s")
+    diagnostics = parse_diagnostics(text, source)
+    ok = job.returncode == 0 and obj.is_file()
+    if not ok and not any(d.severity == "error" for d in diagnostics):
+        diagnostics.append(CompileDiagnostic(severity="error", message=text.strip()[-1500:] or
+                                             f"{compiler} exited with {job.returncode}"))
+    kernels: list[KernelResources] = []
+    if ok:
+        kernels = parse_ptxas(text) if language == "cuda" else parse_amd_resource_usage(text)
+        for k in kernels:
+            estimate_occupancy(k, target, None)
+    artifact_id = artifacts.put_file(obj, kind=f"{language}-object") if ok else None
+    return CompileResult(ok=ok, language=language, target=target, artifact_id=artifact_id, cached=False,
+                         compiler=compiler, kernels=kernels, diagnostics=diagnostics, seconds=0.0,
+                         next_step=_next_step(ok, language))
+
+
+async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, target,
+                          progress) -> CompileResult:
+    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    job = await run_job(JobSpec(
+        argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"], job_dir=job_dir, env=env,
+        timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
+                                      "device": device},
+    ), on_progress=progress)
+    if job.timed_out:
+        raise LoomError(ErrorCode.TIMEOUT, f"compiling {source.name} did not finish in {timeout_s:.0f} s")
+    report = job.result if job.ok and job.result else None
+    if report is None:
+        raise LoomError(ErrorCode.WORKER_CRASHED,
+                        f"the compile worker died ({job.signal or job.returncode}): {job.stderr_tail[-800:]}")
+    diagnostics: list[CompileDiagnostic] = []
+    if report["error"]:
+        diagnostics.append(CompileDiagnostic(severity="error", message=report["error"],
+                                             file=report["error_file"], line=report["error_line"]))
+    kernels: list[KernelResources] = []
+    for k in report["kernels"]:
+        if not k["compiled"]:
+            kernels.append(KernelResources(name=k["name"]))
+        for c in k["compiled"]:
+            item = KernelResources(name=k["name"], registers=c["registers"],
+                                   spill_stores_bytes=c["spills"], shared_memory_bytes=c["shared"],
+                                   num_warps=c["num_warps"], num_stages=c["num_stages"])
+            estimate_occupancy(item, target if str(target).startswith("sm_") else "sm_90", c["num_warps"])
+            kernels.append(item)
+    note = None
+    if report["interpreted"]:
+        note = ("no GPU: kernels ran in Triton's interpreter (errors are real; no registers or "
+                "occupancy without machine code)")
+    elif not report["ran_task"]:
+        note = "pass task= so the kernels are specialized on real arguments and compiled"
+    if not kernels and not report["error"]:
+        note = (note + "; " if note else "") + "no @triton.jit kernels found in the file"
+    ok = report["error"] is None
+    return CompileResult(ok=ok, language="triton", target=target, cached=False, compiler=compiler,
+                         kernels=kernels, diagnostics=diagnostics, seconds=0.0, note=note,
+                         next_step=_next_step(ok, "triton"))

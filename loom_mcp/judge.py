@@ -1,0 +1,288 @@
+"""The judge's services: compile, validate and benchmark a candidate on the device this server owns.
+
+Plain async functions over the config, ledger and artifact store; the MCP layer only calls them.
+Every job that touches a device holds that device's lease; the held time is the call's device
+seconds. Full records are stored as artifacts and indexed in the ledger (loom://runs/{id}).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+
+from loom_mcp.bench.runner import benchmark_candidate
+from loom_mcp.compile.service import Language, compile_source
+from loom_mcp.config import LoomConfig
+from loom_mcp.devices import probe_devices
+from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import (
+    BenchmarkEvidence,
+    Finding,
+    GateConfig,
+    ValidationEvidence,
+)
+from loom_mcp.models import (
+    BenchmarkResult,
+    CaseSummary,
+    CheckFinding,
+    CompileResult,
+    DeviceInfo,
+    RunValidationResult,
+    ShapeSpeed,
+)
+from loom_mcp.sandbox.lease import DeviceLease
+from loom_mcp.store import ArtifactStore, Ledger, new_run_id
+from loom_mcp.validate.runner import validate_candidate
+
+Progress = Callable[[str], Awaitable[None]]
+
+
+@dataclass
+class Target:
+    """Where jobs run: the torch device string for workers, and the device record for peaks."""
+
+    torch_device: str  # "cuda" (CUDA and ROCm builds alike) or "cpu"
+    device: DeviceInfo
+    lease_key: str
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.torch_device != "cpu"
+
+
+async def pick_target(config: LoomConfig) -> Target:
+    toolchain = await probe_toolchain(config.cache_dir / "toolchain.json")
+    if toolchain.torch is None:
+        raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
+                        "torch is not importable by the worker python "
+                        f"({toolchain.probe_error or 'not installed'}); install torch (and triton) "
+                        "into the environment loom-mcp runs in: pip install 'loom-mcp[triton]'")
+    devices, _ = await anyio.to_thread.run_sync(probe_devices)
+    gpus = [d for d in devices if d.vendor != "cpu"]
+    torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
+    if gpus and torch_sees_gpu:
+        gpu = gpus[0]
+        return Target("cuda", gpu, f"{gpu.vendor}:{gpu.index}")
+    cpu = next(d for d in devices if d.vendor == "cpu")
+    return Target("cpu", cpu, "cpu")
+
+
+def check_file(config: LoomConfig, path: str, what: str) -> Path:
+    resolved = config.check_allowed(Path(path), what)
+    if not resolved.is_file():
+        raise LoomError(ErrorCode.NOT_FOUND, f"{what} file {resolved} does not exist")
+    return resolved
+
+
+def _finding(f: Finding) -> CheckFinding:
+    return CheckFinding(check=f.check, severity=f.severity, message=f.message, where=f.where)
+
+
+def store_record(ledger: Ledger, artifacts: ArtifactStore, run_id: str, kind: str, record: Any,
+                 summary: Any, campaign_id: str | None) -> None:
+    payload = orjson.dumps(record.model_dump() if hasattr(record, "model_dump") else record)
+    sha = artifacts.put_bytes(payload, kind=f"{kind}-record", name=f"{run_id}.json")
+    ledger.insert_run(run_id, kind, sha, summary.model_dump(), campaign_id)
+
+
+class Leased:
+    """Holds the target's lease and measures how long (the device seconds of the call)."""
+
+    def __init__(self, config: LoomConfig, target: Target, progress: Progress | None) -> None:
+        self.lease = DeviceLease(config.locks_dir, target.lease_key, timeout_s=config.lease_timeout_s)
+        self.target = target
+        self.progress = progress
+        self.seconds = 0.0
+
+    async def __aenter__(self) -> Leased:
+        if self.progress:
+            await self.progress(f"waiting for device {self.target.lease_key}")
+        await self.lease.__aenter__()
+        self._start = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.seconds = time.monotonic() - self._start if self.target.is_gpu else 0.0
+        await self.lease.__aexit__(*exc)
+
+
+# ---------------------------------------------------------------- compile
+
+
+async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source: str,
+                         language: Language, target: str | None, flags: list[str], task: str | None,
+                         progress: Progress | None) -> tuple[CompileResult, float]:
+    src = check_file(config, source, "source")
+    task_path = check_file(config, task, "task") if task else None
+    device = "cpu"
+    triton_version = None
+    if language == "triton":
+        tgt = await pick_target(config)
+        device = tgt.torch_device
+        triton_version = (await probe_toolchain(config.cache_dir / "toolchain.json")).triton
+        if target is None and tgt.device.arch:
+            target = tgt.device.arch
+        async with Leased(config, tgt, progress) as held:
+            result = await _compile(config, artifacts, src, language, target, flags, task_path,
+                                    device, triton_version, progress)
+        return result, held.seconds
+    result = await _compile(config, artifacts, src, language, target, flags, task_path, device,
+                            triton_version, progress)
+    return result, 0.0
+
+
+async def _compile(config, artifacts, src, language, target, flags, task_path, device,
+                   triton_version, progress) -> CompileResult:
+    return await compile_source(
+        source=src, language=language, target=target, flags=flags, task=task_path, device=device,
+        cache_dir=config.cache_dir, artifacts=artifacts,
+        job_dir=config.jobs_dir / new_run_id("compile"), timeout_s=config.job_timeout_s,
+        toolchain_triton=triton_version, progress=progress)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, seconds: float
+                         ) -> RunValidationResult:
+    failing = [c for c in evidence.cases if not c.passed]
+    passing = [c for c in evidence.cases if c.passed and c.max_rel_err is not None]
+    worst = max(passing, key=lambda c: c.max_rel_err or 0.0, default=None)
+
+    def summary(c) -> CaseSummary:
+        return CaseSummary(shape=c.shape, seed=c.seed, input_kind=c.input_kind, passed=c.passed,
+                           max_abs_err=c.max_abs_err, max_rel_err=c.max_rel_err,
+                           message=(c.message or "")[:300] or None)
+
+    shapes = list(dict.fromkeys(c.shape for c in evidence.cases))
+    if evidence.passed:
+        next_step = "benchmark(task, candidate) to measure the speedup"
+    else:
+        next_step = "fix what the findings name and run_validation again"
+    return RunValidationResult(
+        validation_id=evidence.validation_id, passed=evidence.passed, device=device, shapes=shapes,
+        seeds_per_shape=seeds, cases_total=len(evidence.cases), cases_failed=len(failing),
+        failing_cases=[summary(c) for c in failing[:8]],
+        worst_case=summary(worst) if worst else None,
+        findings=[_finding(f) for f in evidence.findings][:12], seconds=round(seconds, 3),
+        next_step=next_step)
+
+
+async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
+                         candidate: str, seeds: int | None, shapes: list[str] | None,
+                         campaign_id: str | None, progress: Progress | None
+                         ) -> tuple[RunValidationResult, ValidationEvidence, float]:
+    task_path = check_file(config, task, "task")
+    cand_path = check_file(config, candidate, "candidate")
+    seeds = max(seeds or config.gate.seeds, config.gate.seeds)  # more seeds than policy, never fewer
+    target = await pick_target(config)
+    run_id = new_run_id("validation")
+    started = time.monotonic()
+    async with Leased(config, target, progress) as held:
+        evidence = await validate_candidate(
+            task=task_path, candidate=cand_path, job_dir=config.jobs_dir / run_id, seeds=seeds,
+            shapes=shapes, device=target.torch_device, timeout_s=config.job_timeout_s,
+            validation_id=run_id, progress=progress)
+    result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
+    store_record(ledger, artifacts, run_id, "validation",
+                 {"evidence": evidence.model_dump(), "task": str(task_path),
+                  "candidate": str(cand_path), "candidate_sha": artifacts.put_file(cand_path, "candidate")},
+                 result, campaign_id)
+    return result, evidence, held.seconds
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+def flush_bytes_for(target: Target) -> int:
+    """A buffer well past the last-level cache: 2x the L2 when known, else 256 MiB (do_bench's)."""
+    if not target.is_gpu:
+        return 64 << 20
+    l2 = target.device.peak.l2_bytes if target.device.peak else None
+    return max(2 * l2, 256 << 20) if l2 else 256 << 20
+
+
+def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], gate: GateConfig,
+                        seconds: float, device_state: dict | None) -> BenchmarkResult:
+    shapes = [
+        ShapeSpeed(
+            name=s.name, baseline_median_s=s.baseline.median, candidate_median_s=s.candidate.median,
+            speedup=s.ratio.estimate, ci_low=s.ratio.ci_low, ci_high=s.ratio.ci_high,
+            pairs=min(s.baseline.n, s.candidate.n),
+            candidate_cv=(s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0,
+            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction)
+        for s in evidence.shapes
+    ]
+    g = evidence.geomean
+    note = None
+    if evidence.timer == "wall_clock":
+        note = "CPU wall-clock timings (no GPU here): they say nothing about GPU speed"
+    if any(f.severity == "error" for f in findings):
+        next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
+    elif g and g.ci_low > 1 + gate.min_gain:
+        next_step = "submit_candidate to have the server re-check and accept it"
+    else:
+        next_step = "not a clear win yet: profile the candidate or try a different approach"
+    return BenchmarkResult(
+        benchmark_id=evidence.benchmark_id, device=evidence.device, timer=evidence.timer,
+        timer_note=note, shapes=shapes, geomean_speedup=g.estimate if g else None,
+        geomean_ci_low=g.ci_low if g else None, geomean_ci_high=g.ci_high if g else None,
+        ci_level=gate.ci_level, l2_flushed=evidence.l2_flushed, graph_replay=evidence.graph_replay,
+        throttled_samples_dropped=evidence.throttled_samples_dropped,
+        proof_of_execution=evidence.proof_of_execution, proof_note=evidence.proof_note,
+        findings=[_finding(f) for f in findings], device_state=device_state,
+        seconds=round(seconds, 3), next_step=next_step)
+
+
+def _clock_sampler(target: Target):
+    if target.device.vendor == "nvidia":
+        from loom_mcp.devices.nvidia import sample_clocks
+
+        return lambda: sample_clocks(target.device.index)
+    if target.device.vendor == "amd":
+        from loom_mcp.devices.amd import sample_clocks_amd
+
+        return lambda: sample_clocks_amd(target.device.index)
+    return None
+
+
+async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
+                        candidate: str, baseline: str | None, shapes: list[str] | None,
+                        campaign_id: str | None, progress: Progress | None
+                        ) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
+    task_path = check_file(config, task, "task")
+    cand_path = check_file(config, candidate, "candidate")
+    base_path = check_file(config, baseline, "baseline") if baseline else None
+    target = await pick_target(config)
+    gate = config.gate
+    run_id = new_run_id("benchmark")
+    sampler = _clock_sampler(target)
+    started = time.monotonic()
+    async with Leased(config, target, progress) as held:
+        before = sampler() if sampler else None
+        evidence, findings = await benchmark_candidate(
+            task=task_path, candidate=cand_path, baseline=base_path, job_dir=config.jobs_dir / run_id,
+            shapes=shapes, device=target.torch_device, gate=gate, peak=target.device.peak,
+            flush_bytes=flush_bytes_for(target), timeout_s=config.job_timeout_s,
+            benchmark_id=run_id, clock_sampler=sampler, progress=progress)
+        after = sampler() if sampler else None
+    state = None
+    if before and after:
+        state = {"sm_clock_mhz_before": before.get("sm_clock_mhz"),
+                 "sm_clock_mhz_after": after.get("sm_clock_mhz"),
+                 "temperature_c_after": after.get("temperature_c"),
+                 "power_w_after": after.get("power_w")}
+    result = summarize_benchmark(evidence, findings, gate, time.monotonic() - started, state)
+    store_record(ledger, artifacts, run_id, "benchmark",
+                 {"evidence": evidence.model_dump(), "findings": [f.model_dump() for f in findings],
+                  "task": str(task_path), "candidate": str(cand_path),
+                  "baseline": str(base_path) if base_path else None, "device": target.device.model_dump()},
+                 result, campaign_id)
+    return result, evidence, findings, held.seconds
