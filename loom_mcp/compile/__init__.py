@@ -1,0 +1,1 @@
+"""Kernel compilation: Triton, nvcc, hipcc; resource reports."""
