@@ -61,10 +61,11 @@ async def test_tools_list_matches_snapshot(client):
 
 
 @pytest.mark.anyio
-async def test_instructions_are_short_and_name_the_loop(server):
+async def test_instructions_are_short_and_name_the_loop(client):
     assert len(INSTRUCTIONS) <= 512
-    async with Client(server, mode="legacy") as c:
-        assert c.initialize_result.instructions == INSTRUCTIONS
+    assert client.instructions == INSTRUCTIONS
+    for step in ("device_info", "start_campaign", "run_validation", "benchmark", "submit_candidate"):
+        assert step in INSTRUCTIONS
 
 
 @pytest.mark.anyio

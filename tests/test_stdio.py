@@ -70,7 +70,7 @@ def test_stdout_carries_only_protocol(tmp_path):
     proc.stdin.write(rpc(None, "notifications/initialized"))
     proc.stdin.write(rpc(2, "tools/list"))
     proc.stdin.write(rpc(3, "tools/call", {"name": "device_info", "arguments": {}}))
-    proc.stdin.close()
+    proc.stdin.flush()
     out, err = proc.communicate(timeout=120)
     messages = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
     ids = {m.get("id") for m in messages}

@@ -193,6 +193,7 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
 
     graph_used = False
     mismatch_reported = False
+    tamper_reported: set[str] = set()
     for shape_index, meta in enumerate(shape_meta):
         name = meta["name"]
         setup_a = await arms["baseline"].ask({"op": "setup", "shape": shape_index}, timeout_s)
@@ -204,16 +205,24 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         while True:
             set_index = pair % meta["sets"]
             probe = [secrets.randbelow(1 << 30) for _ in range(16)]
+            salt = secrets.randbelow(1 << 30)
             before = clock_sampler() if clock_sampler else None
             order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
             got = {}
             for role in order:
-                got[role] = await arms[role].ask({"op": "sample", "set": set_index, "probe": probe},
-                                                 timeout_s)
+                got[role] = await arms[role].ask(
+                    {"op": "sample", "set": set_index, "probe": probe, "salt": salt}, timeout_s)
             after = clock_sampler() if clock_sampler else None
             record["a"].append(got["baseline"]["t"])
             record["b"].append(got["candidate"]["t"])
             record["throttled"].append(bool((before or {}).get("throttled") or (after or {}).get("throttled")))
+            for role in ("baseline", "candidate"):
+                if got[role].get("tampered") and role not in tamper_reported:
+                    tamper_reported.add(role)
+                    findings.append(Finding(
+                        check="benchmark.timer_tampering", severity="error",
+                        message=f"the {role} replaced harness functions while timed: "
+                                f"{', '.join(got[role]['tampered'])}"))
             if not sums_agree(got["candidate"]["sums"], got["baseline"]["sums"]) and not mismatch_reported:
                 mismatch_reported = True
                 findings.append(Finding(

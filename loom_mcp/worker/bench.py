@@ -25,6 +25,23 @@ import torch
 from loom_mcp.worker.harness import as_output_list, load_module, pick_device, synchronize, to_device
 from loom_mcp.worker.protocol import read_request, send_result
 
+# Bound before the candidate is imported: a candidate that replaces these module attributes
+# does not change what the harness calls, and the replacement is detected and reported.
+_perf_counter = time.perf_counter
+_Event = torch.cuda.Event
+_elapsed_time = torch.cuda.Event.elapsed_time
+_cuda_synchronize = torch.cuda.synchronize
+_GUARDED = {
+    "time.perf_counter": (lambda: time.perf_counter, _perf_counter),
+    "torch.cuda.Event": (lambda: torch.cuda.Event, _Event),
+    "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time, _elapsed_time),
+    "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, _cuda_synchronize),
+}
+
+
+def tampered() -> list[str]:
+    return [name for name, (current, original) in _GUARDED.items() if current() is not original]
+
 
 class Arm:
     def __init__(self, request: dict) -> None:
@@ -38,6 +55,7 @@ class Arm:
         self.flush_buffer = (torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
                              if self.flush_bytes else None)
         self.current: dict[str, Any] = {}
+        self.perturb = bool(request.get("perturb", True))
 
     # -- setup
     def setup(self, shape_index: int) -> dict:
@@ -52,7 +70,8 @@ class Arm:
                 model.load_state_dict(state)
             model = model.to(self.device).eval()
         inputs = [to_device(s["inputs"], self.device) for s in sets]
-        self.current = {"model": model, "inputs": inputs, "graphs": None, "outputs": None}
+        self.current = {"model": model, "inputs": inputs, "graphs": None, "outputs": None,
+                        "shape": shape_index}
         with torch.no_grad():
             for _ in range(3):  # compile, autotune and allocate outside the timed region
                 for x in inputs:
@@ -94,32 +113,48 @@ class Arm:
         model, x = self.current["model"], self.current["inputs"][set_index]
         self._flush()
         if self.gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
             torch.cuda._sleep(20_000)  # keeps the GPU busy while the launches below queue up
             start.record()
             with torch.no_grad():
                 self.current["last"] = as_output_list(model(*x))
             end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+            _cuda_synchronize()
+            return _elapsed_time(start, end) / 1e3
+        t0 = _perf_counter()
         with torch.no_grad():
             self.current["last"] = as_output_list(model(*x))
-        return time.perf_counter() - t0
+        return _perf_counter() - t0
 
     def _time_graph(self, set_index: int) -> float:
         graph = self.current["graphs"][set_index]
         self._flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
         torch.cuda._sleep(20_000)
         start.record()
         graph.replay()
         end.record()
-        torch.cuda.synchronize()
+        _cuda_synchronize()
         self.current["last"] = self.current["outputs"][set_index]
-        return start.elapsed_time(end) / 1e3
+        return _elapsed_time(start, end) / 1e3
 
-    def sample(self, set_index: int, probe: list[int]) -> dict:
+    def _perturb(self, set_index: int, salt: int) -> None:
+        """Give every sample inputs never seen before, identically in both arms: each floating
+        element times U(0.9, 1.1) drawn from the salt. A result cache keyed by pointer or by
+        content then returns stale values, which the output checksums catch. In place, so
+        captured graphs see it. Outside the timed region."""
+        generator = torch.Generator(device=self.device).manual_seed(salt)
+        base = self.shapes[self.current["shape"]]["sets"][set_index]["inputs"]
+        for live, original in zip(self.current["inputs"][set_index], base):
+            if isinstance(live, torch.Tensor) and live.is_floating_point():
+                noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
+                noise.uniform_(0.9, 1.1, generator=generator)
+                live.copy_(original.to(self.device, torch.float32) * noise)
+
+    def sample(self, set_index: int, probe: list[int], salt: int) -> dict:
+        if self.perturb:
+            self._perturb(set_index, salt)
+        synchronize(self.device)
         if self.current.get("graphs"):
             seconds = self._time_graph(set_index)
         else:
@@ -132,7 +167,10 @@ class Arm:
             flat = out.detach().reshape(-1)
             idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
             sums.append(float(flat[idx].double().sum()) if flat.numel() else 0.0)
-        return {"t": seconds, "sums": sums, "error": None}
+        changed = tampered()
+        if changed:
+            return {"t": seconds, "sums": sums, "error": None, "tampered": changed}
+        return {"t": seconds, "sums": sums, "error": None, "tampered": []}
 
     def kernels(self) -> dict:
         """Names of the device kernels one forward launches: the proof that they ran."""
@@ -173,7 +211,7 @@ def main() -> None:
                 reply(arm.setup(command["shape"]))
             elif op == "sample":
                 samples += 1
-                reply(arm.sample(command["set"], command["probe"]))
+                reply(arm.sample(command["set"], command["probe"], command["salt"]))
             elif op == "kernels":
                 reply(arm.kernels())
             elif op == "quit":
