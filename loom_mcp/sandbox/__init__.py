@@ -1,0 +1,17 @@
+"""Execution sandbox: every candidate runs in a fresh, limited worker process (DESIGN §6)."""
+
+from loom_mcp.sandbox.env import worker_env
+from loom_mcp.sandbox.isolation import isolation_report
+from loom_mcp.sandbox.job import JobResult, JobSpec
+from loom_mcp.sandbox.lease import DeviceLease, lease_holder
+from loom_mcp.sandbox.runner import run_job
+
+__all__ = [
+    "DeviceLease",
+    "JobResult",
+    "JobSpec",
+    "isolation_report",
+    "lease_holder",
+    "run_job",
+    "worker_env",
+]

@@ -1,0 +1,80 @@
+"""Contracts of one sandboxed job: what to run (JobSpec) and what happened (JobResult)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class JobSpec(BaseModel):
+    """One worker process to run in the sandbox."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    argv: list[str] = Field(min_length=1, description="Command line; argv[0] is looked up in PATH")
+    job_dir: Path = Field(description="Created if missing; the worker's cwd and TMPDIR")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra variables set on purpose by the server; secret-looking names are dropped",
+    )
+    timeout_s: float = Field(default=600.0, gt=0)
+    max_output_bytes: int = Field(
+        default=1 << 20, ge=0, description="Per stream; the tail is kept, the total is counted"
+    )
+    max_file_bytes: int = Field(default=8 << 30, gt=0, description="RLIMIT_FSIZE")
+    max_processes: int = Field(default=512, ge=1, description="Tasks (processes and threads)")
+    visible_devices: list[int] | None = Field(
+        default=None,
+        description=(
+            "Physical GPU indices to expose. None leaves the server's setting; [] hides all GPUs"
+        ),
+    )
+    allow_network: bool = False
+    request: dict[str, Any] | None = Field(
+        default=None, description="JSON for the worker: job_dir/request.json, path in LOOM_REQUEST"
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not name or "=" in name or "\0" in name or "\0" in value[name]:
+                raise ValueError(f"invalid environment variable {name!r}")
+        return value
+
+    @field_validator("visible_devices")
+    @classmethod
+    def _devices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(i < 0 for i in value):
+            raise ValueError("device indices must be >= 0")
+        return value
+
+
+class JobResult(BaseModel):
+    """What happened to a job. A crash is a result, not an exception."""
+
+    returncode: int | None = Field(description="Exit code; None when a signal ended the worker")
+    signal: str | None = Field(description="e.g. 'SIGSEGV' when a signal ended the worker")
+    timed_out: bool
+    cancelled: bool = Field(
+        default=False,
+        description="Ended because its caller was cancelled (run_job re-raises instead)",
+    )
+    wall_s: float
+    stdout_tail: str
+    stderr_tail: str
+    stdout_bytes: int = Field(description="Total written, even when the tail was truncated")
+    stderr_bytes: int
+    result: dict[str, Any] | list[Any] | None = Field(
+        description="What the worker sent over the private result pipe; None if nothing or invalid"
+    )
+    result_error: str | None = Field(
+        default=None, description="Why `result` is None although the worker sent something"
+    )
+    network_isolated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and not self.cancelled

@@ -1,0 +1,76 @@
+"""Worker side of the sandbox protocol: read the request, send one result on the private pipe.
+
+Imported inside worker processes, before torch and friends: standard library only.
+The result goes to the file descriptor named by LOOM_RESULT_FD, never to stdout — stdout is
+free-form log output that the server keeps only a bounded tail of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+REQUEST_ENV = "LOOM_REQUEST"
+RESULT_FD_ENV = "LOOM_RESULT_FD"
+
+_sent = False
+
+
+def read_request() -> dict[str, Any] | None:
+    """The JSON request the server wrote for this job, or None if there is none."""
+    _protect_result_fd()
+    path = os.environ.get(REQUEST_ENV)
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else None
+
+
+def send_result(obj: Any) -> None:
+    """Send `obj` as JSON to the server. Once per process; the pipe is closed afterwards."""
+    global _sent
+    if _sent:
+        raise RuntimeError("send_result() may be called only once per worker")
+    fd = _result_fd()
+    if fd is None:
+        raise RuntimeError(f"{RESULT_FD_ENV} is not set: not running under the loom sandbox")
+    # Serialize before claiming the pipe so that an unserializable object can be fixed and
+    # sent again.
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    _sent = True
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+    finally:
+        os.close(fd)
+
+
+def _result_fd() -> int | None:
+    raw = os.environ.get(RESULT_FD_ENV)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _protect_result_fd() -> None:
+    """Keep the result pipe out of programs the worker executes (compilers, profilers).
+
+    A stray copy would keep the pipe open after the worker is done; the server would still
+    finish (it ends the whole process tree), but only after the worker's children exit.
+    """
+    fd = _result_fd()
+    if fd is not None:
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            pass
+
+
+_protect_result_fd()

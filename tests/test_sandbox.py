@@ -1,0 +1,394 @@
+"""The execution sandbox, exercised with real child processes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import socket
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import pytest
+
+from loom_mcp.sandbox import JobSpec, isolation, isolation_report, run_job, worker_env
+from loom_mcp.sandbox.isolation import capabilities, plan
+
+PY = sys.executable
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(params=["auto", "user+net", "bare"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the machine's best isolation, and again with the fallbacks forced.
+
+    "user+net" has no pid namespace and "bare" no namespace at all: the launcher is then a
+    subreaper and ends the tree by scanning /proc.
+    """
+    if request.param == "auto":
+        return "auto"
+    features = {"user+net": ["user", "net"], "bare": []}[request.param]
+    if features and not capabilities()["probes"].get(request.param, {}).get("ok"):
+        pytest.skip(f"{request.param} namespaces not available here")
+    monkeypatch.setattr(
+        isolation, "plan", lambda caps, allow_network: {"unshare": features, "limit_by": None}
+    )
+    return request.param
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def spec(tmp_path: Path, argv: list[str], **kw: object) -> JobSpec:
+    return JobSpec(argv=argv, job_dir=tmp_path / "job", **kw)
+
+
+def pids_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (zombies have an empty cmdline)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# A worker that leaves a setsid()'d, double-forked grandchild behind and then hangs.
+ESCAPER = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", "{marker}"])
+    os._exit(0)
+time.sleep(600)
+"""
+
+
+async def watch_for(marker: str, found: list[int]) -> None:
+    while not found:
+        found.extend(pids_with(marker))
+        await anyio.sleep(0.02)
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+@pytest.mark.anyio
+async def test_result_over_private_pipe_and_request(tmp_path: Path) -> None:
+    code = """
+    import os
+    from loom_mcp.worker.protocol import read_request, send_result
+    req = read_request()
+    print("log line on stdout")
+    send_result({"echo": req, "cwd": os.getcwd(), "big": "x" * (4 << 20)})
+    """
+    res = await run_job(spec(tmp_path, py(code), request={"n": 7, "s": "hé"}))
+    assert res.ok, res.stderr_tail
+    assert res.result is not None
+    assert res.result["echo"] == {"n": 7, "s": "hé"}
+    assert res.result["cwd"] == str((tmp_path / "job").resolve())
+    assert len(res.result["big"]) == 4 << 20  # larger than any pipe buffer: no deadlock
+    assert res.stdout_tail == "log line on stdout\n"
+    assert (tmp_path / "job" / "request.json").exists()
+
+
+@pytest.mark.anyio
+async def test_exit_code_invalid_result_and_missing_program(tmp_path: Path, mode: str) -> None:
+    code = """
+    import os, sys
+    os.write(int(os.environ["LOOM_RESULT_FD"]), b"{not json")
+    sys.exit(3)
+    """
+    res = await run_job(spec(tmp_path, py(code)))
+    assert (res.returncode, res.signal, res.ok) == (3, None, False)
+    assert res.result is None and res.result_error and "JSON" in res.result_error
+
+    res = await run_job(spec(tmp_path, ["/nonexistent/program"]))
+    assert res.returncode == 127
+    assert "cannot execute" in res.stderr_tail
+
+
+@pytest.mark.anyio
+async def test_segfault_is_a_result(tmp_path: Path, mode: str) -> None:
+    res = await run_job(spec(tmp_path, py("import ctypes; ctypes.string_at(0)")))
+    assert res.signal == "SIGSEGV"
+    assert res.returncode is None
+    assert not res.ok and not res.timed_out
+
+
+@pytest.mark.anyio
+async def test_abort_reports_sigabrt(tmp_path: Path, mode: str) -> None:
+    # The worker is not pid 1 of its namespace, so self-sent signals are not swallowed.
+    res = await run_job(spec(tmp_path, py("import os; os.abort()")))
+    assert res.signal == "SIGABRT"
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+@pytest.mark.anyio
+async def test_timeout_kills_setsid_grandchild(tmp_path: Path, mode: str) -> None:
+    marker = f"loom-escaper-{uuid.uuid4().hex}"
+    found: list[int] = []
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_for, marker, found)
+        res = await run_job(spec(tmp_path, py(ESCAPER.format(marker=marker)), timeout_s=1.5))
+        tg.cancel_scope.cancel()
+    assert res.timed_out and not res.ok
+    assert res.signal == "SIGKILL"
+    assert time.monotonic() - t0 < 5
+    assert found, "the grandchild never started"
+    assert all(gone(pid) for pid in found)
+    assert pids_with(marker) == []
+
+
+@pytest.mark.anyio
+async def test_cancellation_kills_tree_and_propagates(tmp_path: Path, mode: str) -> None:
+    marker = f"loom-cancel-{uuid.uuid4().hex}"
+    found: list[int] = []
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_for, marker, found)
+        with anyio.move_on_after(1.0) as scope:
+            await run_job(spec(tmp_path, py(ESCAPER.format(marker=marker)), timeout_s=60))
+        tg.cancel_scope.cancel()
+    assert scope.cancelled_caught
+    assert time.monotonic() - t0 < 5
+    assert found
+    assert all(gone(pid) for pid in found)
+
+
+@pytest.mark.anyio
+async def test_output_is_bounded(tmp_path: Path) -> None:
+    code = """
+    import sys
+    block = b"x" * (1 << 20)
+    for _ in range(100):
+        sys.stdout.buffer.write(block)
+    sys.stdout.buffer.write(b"END")
+    sys.stderr.write("err tail")
+    """
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    res = await run_job(spec(tmp_path, py(code), max_output_bytes=64 << 10))
+    assert res.ok, res.stderr_tail
+    assert time.monotonic() - t0 < 10
+    assert res.stdout_bytes == (100 << 20) + 3
+    assert len(res.stdout_tail) == 64 << 10
+    assert res.stdout_tail.endswith("xxxEND")
+    assert res.stderr_tail == "err tail" and res.stderr_bytes == 8
+    # ru_maxrss is in KiB; keeping 100 MB would raise the peak by at least that much.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 32 << 10
+
+
+@pytest.mark.anyio
+async def test_file_size_limit(tmp_path: Path) -> None:
+    code = """
+    from loom_mcp.worker.protocol import send_result
+    try:
+        with open("big.bin", "wb") as f:
+            f.write(b"0" * (2 << 20))
+        send_result({"errno": None})
+    except OSError as exc:
+        send_result({"errno": exc.errno})
+    """
+    res = await run_job(spec(tmp_path, py(code), max_file_bytes=1 << 20))
+    assert res.result == {"errno": errno.EFBIG}
+
+
+def _process_limit_enforced(allow_network: bool = False) -> bool:
+    return plan(capabilities(), allow_network=allow_network)["limit_by"] is not None
+
+
+@pytest.mark.anyio
+async def test_fork_bomb_is_contained(tmp_path: Path) -> None:
+    if not _process_limit_enforced():
+        pytest.skip(isolation_report()["process_limit"])
+    marker = f"loom-bomb-{uuid.uuid4().hex}"
+    # Bounded by the loop even if the limit failed, and every child dies with the job.
+    code = f"""
+    import os, sys, time
+    from loom_mcp.worker.protocol import send_result
+    forked, err = 0, None
+    for _ in range(200):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            err = exc.errno
+            break
+        if pid == 0:
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{marker}"])
+        forked += 1
+    send_result({{"forked": forked, "errno": err}})
+    """
+    res = await run_job(spec(tmp_path, py(code), max_processes=16, timeout_s=15))
+    assert res.result is not None, res.stderr_tail
+    assert res.result["errno"] == errno.EAGAIN
+    assert res.result["forked"] < 16
+    assert pids_with(marker) == []
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def test_worker_env_allowlist_and_secrets() -> None:
+    parent = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/u",
+        "LC_ALL": "C.UTF-8",
+        "CUDA_HOME": "/usr/local/cuda",
+        "TORCHINDUCTOR_CACHE_DIR": "/c",
+        "HF_TOKEN": "hf_x",
+        "MY_API_KEY": "k",
+        "AWS_SECRET_ACCESS_KEY": "a",
+        "TORCH_HUB_TOKEN": "t",  # allowlisted prefix, secret name
+        "GITHUB_TOKEN": "g",
+        "RANDOM_THING": "r",
+        "LD_PRELOAD": "/evil.so",
+    }
+    env = worker_env({"TRITON_CACHE_DIR": "/t", "SERVICE_PASSWORD": "p"}, parent=parent)
+    assert env["PATH"] == "/usr/bin" and env["LC_ALL"] == "C.UTF-8"
+    assert env["CUDA_HOME"] == "/usr/local/cuda" and env["TORCHINDUCTOR_CACHE_DIR"] == "/c"
+    assert env["TRITON_CACHE_DIR"] == "/t"
+    assert env["PYTHONUNBUFFERED"] == "1" and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    for name in (
+        "HF_TOKEN",
+        "MY_API_KEY",
+        "AWS_SECRET_ACCESS_KEY",
+        "TORCH_HUB_TOKEN",
+        "GITHUB_TOKEN",
+        "RANDOM_THING",
+        "LD_PRELOAD",
+        "SERVICE_PASSWORD",
+    ):
+        assert name not in env
+
+
+@pytest.mark.anyio
+async def test_secrets_invisible_in_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secrets = {
+        "HF_TOKEN": "hf_secret",
+        "MY_API_KEY": "key_secret",
+        "AWS_SECRET_ACCESS_KEY": "aws_secret",
+        "TORCH_HUB_TOKEN": "torch_secret",
+        "ANTHROPIC_API_KEY": "sk-secret",
+    }
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    code = """
+    import os
+    from loom_mcp.worker.protocol import send_result
+    send_result(dict(os.environ))
+    """
+    res = await run_job(spec(tmp_path, py(code), env={"LOOM_EXTRA": "yes"}))
+    env = res.result
+    assert isinstance(env, dict), res.stderr_tail
+    for name, value in secrets.items():
+        assert name not in env
+        assert value not in str(env)
+    job_dir = str((tmp_path / "job").resolve())
+    assert env["TMPDIR"] == job_dir
+    assert env["CUDA_LAUNCH_BLOCKING"] == "1"
+    assert env["LOOM_EXTRA"] == "yes"
+    assert "PATH" in env
+
+
+@pytest.mark.anyio
+async def test_visible_devices_pinning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    code = """
+    import os
+    from loom_mcp.worker.protocol import send_result
+    send_result({k: os.environ.get(k) for k in
+                 ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")})
+    """
+    res = await run_job(spec(tmp_path, py(code), visible_devices=[1, 3]))
+    assert res.result == {
+        "CUDA_VISIBLE_DEVICES": "1,3",
+        "HIP_VISIBLE_DEVICES": "0,1",
+        "ROCR_VISIBLE_DEVICES": "1,3",
+    }
+    res = await run_job(spec(tmp_path, py(code), visible_devices=[]))
+    assert res.result is not None and res.result["CUDA_VISIBLE_DEVICES"] == "-1"
+    res = await run_job(spec(tmp_path, py(code)))
+    assert res.result == {
+        "CUDA_VISIBLE_DEVICES": "5",
+        "HIP_VISIBLE_DEVICES": None,
+        "ROCR_VISIBLE_DEVICES": None,
+    }
+
+
+# ----------------------------------------------------------------------------- network
+
+
+@pytest.mark.anyio
+async def test_network_cut(tmp_path: Path) -> None:
+    if "net" not in plan(capabilities(), allow_network=False)["unshare"]:
+        pytest.skip(isolation_report()["network"])
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        code = f"""
+        import socket
+        from loom_mcp.worker.protocol import send_result
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+            send_result({{"connected": True}})
+        except OSError as exc:
+            send_result({{"connected": False, "error": str(exc)}})
+        """
+        res = await run_job(spec(tmp_path, py(code)))
+        assert res.network_isolated
+        assert res.result is not None and res.result["connected"] is False, res.result
+
+        # Control: the same worker reaches the listener when the network is allowed.
+        res = await run_job(spec(tmp_path, py(code), allow_network=True))
+        assert not res.network_isolated
+        assert res.result == {"connected": True}
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+@pytest.mark.anyio
+async def test_progress_messages(tmp_path: Path) -> None:
+    messages: list[str] = []
+
+    async def on_progress(msg: str) -> None:
+        messages.append(msg)
+
+    res = await run_job(spec(tmp_path, py("import time; time.sleep(2.3)")), on_progress)
+    assert res.ok
+    assert len(messages) >= 2
+    assert all(m.startswith("running ") and m.endswith(" s") for m in messages)
+
+
+def test_isolation_report_shape() -> None:
+    report = isolation_report()
+    for key in ("network", "process_tree", "process_limit", "core_dumps", "file_size"):
+        assert isinstance(report[key], str) and report[key]
