@@ -1,0 +1,1 @@
+"""Benchmarking: the timing harness (runs in workers) and its statistics (runs in the judge)."""

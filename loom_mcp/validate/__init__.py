@@ -1,0 +1,1 @@
+"""Correctness: reading task files, static checks on candidates, and the validation harness."""

@@ -1,0 +1,517 @@
+"""Static checks: every cheating class is caught, honest Triton / load_inline code passes clean."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loom_mcp.judge_models import Finding
+from loom_mcp.validate.static_checks import (
+    CHECKS,
+    check_candidate_file,
+    check_candidate_source,
+    has_errors,
+)
+
+CANDIDATES = Path(__file__).parent / "candidates"
+HONEST = sorted(CANDIDATES.glob("honest_*.py"))
+
+HEADER = "import torch\nimport torch.nn as nn\nimport triton\nimport triton.language as tl\n"
+
+
+def run(body: str, **kwargs) -> list[Finding]:
+    return check_candidate_source(HEADER + textwrap.dedent(body), "cand.py", **kwargs)
+
+
+def checks(findings: list[Finding], severity: str | None = None) -> set[str]:
+    return {f.check for f in findings if severity is None or f.severity == severity}
+
+
+def errors(body: str, **kwargs) -> set[str]:
+    return checks(run(body, **kwargs), "error")
+
+
+# ---------------------------------------------------------------- honest candidates
+
+
+def test_there_are_honest_candidates():
+    assert {p.name for p in HONEST} >= {
+        "honest_vector_add.py",
+        "honest_softmax.py",
+        "honest_rmsnorm.py",
+        "honest_inline_cuda.py",
+    }
+
+
+@pytest.mark.parametrize("path", HONEST, ids=lambda p: p.stem)
+def test_honest_candidates_are_clean(path: Path):
+    findings = check_candidate_file(path)
+    assert findings == [], [f.model_dump() for f in findings]
+
+
+# ---------------------------------------------------------------- one cheating file per class
+
+CHEATS = {
+    "cheat_monkeypatch.py": "static.monkeypatch",
+    "cheat_threads.py": "static.threads",
+    "cheat_extra_stream.py": "static.extra_stream",
+    "cheat_inline_stream.py": "static.extra_stream",
+    "cheat_tensor_subclass.py": "static.tensor_subclass",
+    "cheat_reference_use.py": "static.reference_use",
+    "cheat_try_fallback.py": "static.try_fallback",
+    "cheat_bare_except.py": "static.try_fallback",
+    "cheat_grader_introspection.py": "static.grader_introspection",
+    "cheat_io.py": "static.io",
+    "cheat_pointer_cache.py": "static.pointer_cache",
+    "cheat_ctypes.py": "static.ctypes",
+    "cheat_dynamic_code.py": "static.dynamic_code",
+}
+WARN_ONLY = {
+    "cheat_precision_downgrade.py": "static.precision_downgrade",
+    "cheat_seed.py": "static.seed",
+}
+
+
+def test_every_cheat_file_is_listed():
+    on_disk = {p.name for p in CANDIDATES.glob("cheat_*.py")}
+    assert on_disk == set(CHEATS) | set(WARN_ONLY)
+
+
+@pytest.mark.parametrize("name,check", sorted(CHEATS.items()))
+def test_cheating_candidates_fail(name: str, check: str):
+    findings = check_candidate_file(CANDIDATES / name)
+    assert has_errors(findings)
+    assert check in checks(findings, "error")
+    for f in findings:
+        assert f.check in CHECKS
+        if f.check != "static.no_kernel":
+            assert f.line is not None and f.where == f"{CANDIDATES / name}:{f.line}"
+        assert f.message.endswith(".")
+
+
+@pytest.mark.parametrize("name,check", sorted(WARN_ONLY.items()))
+def test_warning_classes_warn_without_failing(name: str, check: str):
+    findings = check_candidate_file(CANDIDATES / name)
+    assert check in checks(findings, "warning")
+    assert check not in checks(findings, "error")
+
+
+def test_findings_point_at_the_right_lines():
+    findings = check_candidate_file(CANDIDATES / "cheat_monkeypatch.py")
+    lines = {f.line for f in findings if f.check == "static.monkeypatch"}
+    source = (CANDIDATES / "cheat_monkeypatch.py").read_text().splitlines()
+    assert any("elapsed_time = _fast" in source[line - 1] for line in lines)
+    assert any("setattr(torch.cuda" in source[line - 1] for line in lines)
+
+
+# ---------------------------------------------------------------- monkeypatching
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import torch as T\nT.cuda.synchronize = lambda: None\n",
+        "from torch.cuda import Event\nEvent.elapsed_time = lambda s, e: 0.0\n",
+        "E = torch.cuda.Event\nE.record = lambda *a: None\n",
+        "import time\ntime.perf_counter = lambda: 0.0\n",
+        "from time import perf_counter\nimport timeit\ntimeit.default_timer = perf_counter\n",
+        "triton.testing.do_bench = lambda fn, **k: 0.001\n",
+        "torch.allclose = lambda *a, **k: True\n",
+        "torch.Tensor.__eq__ = lambda a, b: True\n",
+        "del torch.cuda.synchronize\n",
+        "object.__setattr__(torch.cuda, 'synchronize', print)\n",
+        "torch.cuda.__setattr__('synchronize', print)\n",
+        "vars(torch.cuda)['synchronize'] = print\n",
+        "torch.cuda.__dict__['synchronize'] = print\n",
+        "getattr(torch, 'cuda').synchronize = print\n",
+        "t = torch\nsetattr(t.cuda, 'synchronize', print)\n",
+        "import builtins\nbuiltins.isinstance = lambda *a: True\n",
+        "__builtins__['open'] = None\n",
+        "lib = torch.library.Library('aten', 'IMPL')\n",
+        "@torch.library.impl('aten::mm', 'CUDA')\ndef mm(a, b):\n    return a\n",
+        "def f(ev):\n    ev.elapsed_time = lambda end: 0.001\n",
+        "import numpy as np\nnp.testing.assert_allclose = print\n",
+    ],
+)
+def test_monkeypatch_variants(body: str):
+    assert "static.monkeypatch" in errors(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "torch.backends.cudnn.benchmark = True\n",
+        "torch._inductor.config.max_autotune = True\n",
+        "class ModelNew(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.elapsed_time = 0.0\n        self.record = []\n",
+        "x = torch.cuda.Event(enable_timing=True)\ny = torch.cuda.Event.elapsed_time\n",
+        "import os\nos.environ['TORCH_CUDA_ARCH_LIST'] = '9.0'\n",
+    ],
+)
+def test_honest_assignments_are_not_monkeypatching(body: str):
+    assert "static.monkeypatch" not in checks(run(body))
+
+
+# ---------------------------------------------------------------- threads and processes
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "from concurrent.futures import ThreadPoolExecutor\n",
+        "import multiprocessing as mp\n",
+        "import torch.multiprocessing\n",
+        "import os\npid = os.fork()\n",
+        "from os import system\n",
+        "import subprocess\n",
+        "import asyncio\n",
+        "import _thread\n",
+        "import os\nos.execv('/bin/true', ['true'])\n",
+    ],
+)
+def test_threads_and_processes(body: str):
+    assert "static.threads" in errors(body)
+
+
+# ---------------------------------------------------------------- streams
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "from torch.cuda import Stream\ns = Stream()\n",
+        "s = torch.cuda.ExternalStream(0)\n",
+        "torch.cuda.set_stream(None)\n",
+        "side = torch.cuda.Stream()\nk = None\n"
+        "def f(x):\n    return torch.ops.my.kernel(x, stream=side)\n",
+        "def f(x, make):\n    return torch.ops.my.kernel(x, stream=make.side_stream())\n",
+        "src = '#include <hip/hip_runtime.h>\\nhipStream_t s; hipStreamCreate(&s);'\n",
+        "src = '#include <torch/extension.h>\\nauto s = at::cuda::getStreamFromPool();'\n",
+    ],
+)
+def test_extra_streams(body: str):
+    assert "static.extra_stream" in errors(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def f(x):\n    return torch.ops.my.k(x, stream=torch.cuda.current_stream().cuda_stream)\n",
+        "def f(x):\n    return torch.ops.my.k(x, stream=None)\n",
+        "def f(x, stream):\n    return torch.ops.my.k(x, stream=stream)\n",
+        "s = torch.cuda.current_stream()\ndef f(x):\n    return torch.ops.my.k(x, stream=s)\n",
+        "src = '#include <torch/extension.h>\\nauto s = at::cuda::getCurrentCUDAStream();'\n",
+    ],
+)
+def test_current_stream_is_fine(body: str):
+    assert "static.extra_stream" not in checks(run(body))
+
+
+# ---------------------------------------------------------------- tensor subclasses
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "class P(nn.Parameter):\n    pass\n",
+        "def f(x, cls):\n    return x.as_subclass(cls)\n",
+        "from torch.utils._python_dispatch import TorchDispatchMode\n",
+        "from torch.overrides import TorchFunctionMode\n",
+        "def f(t):\n    return getattr(t, '__torch_dispatch__')\n",
+        "class L:\n    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        return func(*args)\n",
+    ],
+)
+def test_tensor_subclass_variants(body: str):
+    assert "static.tensor_subclass" in errors(body)
+
+
+# ---------------------------------------------------------------- reference use
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "class ModelNew(Model):\n    pass\n",
+        "class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.ref = Model()\n",
+        "def forward(self, x):\n    return Model.forward(self, x)\n",
+        "import reference\n",
+        "from task import Model\n",
+        "from .ref import helper\n",
+    ],
+)
+def test_reference_use(body: str):
+    assert "static.reference_use" in errors(body)
+
+
+def test_reference_use_of_named_task_module_and_custom_reference_name():
+    body = "import level1_matmul as t\nclass ModelNew(Baseline):\n    pass\n"
+    found = run(body, reference_names=("Baseline",), task_modules=("level1_matmul",))
+    assert len([f for f in found if f.check == "static.reference_use"]) == 2
+
+
+def test_a_dead_copy_of_the_reference_class_is_not_use():
+    body = (
+        "class Model(nn.Module):\n    def __init__(self):\n        super(Model, self).__init__()\n"
+        "    def forward(self, a, b):\n        return torch.matmul(a, b)\n"
+    )
+    assert "static.reference_use" not in checks(run(body))
+
+
+# ---------------------------------------------------------------- try/except fallbacks
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import torch.nn.functional as F\n"
+        "def forward(self, x):\n    try:\n        return self.ext.run(x)\n"
+        "    except RuntimeError:\n        return F.softmax(x, -1)\n",
+        "def forward(self, x):\n    try:\n        return self.ext.run(x)\n"
+        "    except Exception:\n        return x.softmax(-1)\n",
+        "class ModelNew(nn.Module):\n    def forward(self, x):\n        try:\n"
+        "            return self.ext.run(x)\n        except Exception:\n"
+        "            return super().forward(x)\n",
+        "import contextlib\ndef forward(self, x):\n"
+        "    with contextlib.suppress(Exception):\n        self.ext.run(x)\n    return x\n",
+        "def launch(x, out):\n    try:\n        kern[(1,)](x, out)\n    except BaseException:\n"
+        "        out = None\n    return out\n",
+    ],
+)
+def test_try_fallback_is_an_error(body: str):
+    assert "static.try_fallback" in errors(body)
+
+
+def test_broad_except_outside_the_hot_path_is_only_a_warning():
+    body = (
+        "def device_name():\n    try:\n        return torch.cuda.get_device_name()\n"
+        "    except Exception:\n        return 'unknown'\n"
+    )
+    found = run(body)
+    assert "static.try_fallback" in checks(found, "warning")
+    assert not has_errors(found)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "try:\n    import triton.language.extra.cuda as ex\nexcept ImportError:\n    ex = None\n",
+        "def forward(self, x):\n    try:\n        return self.ext.run(x)\n"
+        "    except RuntimeError as e:\n        torch.cuda.synchronize()\n"
+        "        raise RuntimeError('kernel failed') from e\n",
+        "def forward(self, x):\n    try:\n        return self.ext.run(x)\n    finally:\n"
+        "        pass\n",
+    ],
+)
+def test_honest_try_blocks(body: str):
+    assert "static.try_fallback" not in checks(run(body))
+
+
+# ---------------------------------------------------------------- grader introspection
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import gc\nobjs = gc.get_objects()\n",
+        "g = globals()\n",
+        "import inspect\nf = inspect.currentframe().f_back\n",
+        "import __main__\n",
+        "import sys\nm = sys.modules['__main__']\n",
+        "subs = torch.Tensor.__subclasses__()\n",
+        "def f(fn):\n    return fn.__globals__\n",
+        "import traceback\ns = traceback.extract_stack()\n",
+    ],
+)
+def test_grader_introspection(body: str):
+    assert "static.grader_introspection" in errors(body)
+
+
+# ---------------------------------------------------------------- I/O
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import socket\n",
+        "import urllib.request\n",
+        "import numpy as np\nnp.save('out.npy', np.zeros(3))\n",
+        "from pathlib import Path\nPath('cache.bin').write_bytes(b'')\n",
+        "import pathlib\ndata = pathlib.Path('x').read_text()\n",
+        "maps = '/proc/self/maps'\n",
+        "import marshal\n",
+        "def f(x):\n    x.numpy().tofile('dump')\n",
+        'src = \'#include <torch/extension.h>\\nFILE* f = fopen("/dev/shm/r", "rb");\'\n',
+    ],
+)
+def test_io(body: str):
+    assert "static.io" in errors(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import os\nos.makedirs('build', exist_ok=True)\n",
+        "import tempfile\nd = tempfile.mkdtemp()\n",
+    ],
+)
+def test_build_directories_are_only_warnings(body: str):
+    found = run(body)
+    assert "static.io" in checks(found, "warning")
+    assert not has_errors(found)
+
+
+# ---------------------------------------------------------------- pointer caches
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "c = {}\ndef f(x):\n    return {id(x): x}\n",
+        "c = {}\ndef f(x):\n    return c.get(x.data_ptr())\n",
+        "seen = set()\ndef f(x):\n    return x.cpu().numpy().tobytes() in seen\n",
+        "import functools\nclass ModelNew(nn.Module):\n    @functools.lru_cache(maxsize=None)\n"
+        "    def forward(self, x):\n        return x\n",
+        "c = {}\ndef f(x):\n    k = (x.data_ptr(), x.shape)\n    c[k] = x\n",
+        "src = '#include <torch/extension.h>\\n"
+        "static std::unordered_map<const void*, torch::Tensor> cache;'\n",
+    ],
+)
+def test_pointer_caches(body: str):
+    assert "static.pointer_cache" in errors(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def f(x, k):\n    return k(x.data_ptr(), x.numel())\n",
+        "configs = {}\ndef f(m, n):\n    return configs.get((m, n))\n",
+        "def f(x, y):\n    return x.data_ptr() == y.data_ptr()\n",
+        "src = '#include <torch/extension.h>\\nstatic std::unordered_map<int, int> handles;'\n",
+    ],
+)
+def test_honest_pointer_use(body: str):
+    assert "static.pointer_cache" not in checks(run(body))
+
+
+# ---------------------------------------------------------------- precision, seeds
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def f(x):\n    return x.bfloat16()\n",
+        "def f(x):\n    with torch.autocast('cuda'):\n        return x\n",
+        "@triton.jit\ndef k(a, b):\n    c = tl.dot(a, b, allow_tf32=True)\n",
+        "@triton.jit\ndef k(a, b):\n    c = tl.dot(a, b, input_precision='tf32')\n",
+        "@triton.jit\ndef k(a):\n    b = a.to(tl.float16)\n",
+        "torch.backends.cudnn.allow_tf32 = True\n",
+    ],
+)
+def test_precision_downgrade_warns(body: str):
+    found = run(body)
+    assert "static.precision_downgrade" in checks(found, "warning")
+    assert not has_errors(found)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "torch.set_float32_matmul_precision('highest')\n",
+        "torch.backends.cuda.matmul.allow_tf32 = False\n",
+        "@triton.jit\ndef k(a, b):\n    c = tl.dot(a, b, input_precision='ieee')\n",
+    ],
+)
+def test_full_precision_settings_do_not_warn(body: str):
+    assert "static.precision_downgrade" not in checks(run(body))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import random\nrandom.seed(0)\n",
+        "import numpy as np\nnp.random.seed(0)\n",
+        "g = torch.Generator()\ng.manual_seed(1234)\n",
+    ],
+)
+def test_seeds_warn(body: str):
+    found = run(body)
+    assert "static.seed" in checks(found, "warning")
+    assert not has_errors(found)
+
+
+# ---------------------------------------------------------------- ctypes, dynamic code
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "from ctypes import CDLL\n",
+        "import cffi\n",
+        "src = '#include <dlfcn.h>\\nvoid* h = dlopen(\"libcudart.so\", 1);'\n",
+    ],
+)
+def test_ctypes(body: str):
+    assert "static.ctypes" in errors(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "x = eval('1 + 1')\n",
+        "c = compile('x = 1', 'f', 'exec')\n",
+        "import importlib\nm = importlib.import_module('threading')\n",
+        "import runpy\n",
+    ],
+)
+def test_dynamic_code(body: str):
+    assert "static.dynamic_code" in errors(body)
+
+
+def test_torch_compile_is_not_dynamic_code():
+    assert "static.dynamic_code" not in checks(
+        run("from torch import compile\nf = compile(print)\n")
+    )
+    assert "static.dynamic_code" not in checks(run("f = torch.compile(print)\n"))
+
+
+def test_computed_getattr_on_a_guarded_module_warns():
+    found = run("def f(name):\n    return getattr(torch, name)\n")
+    assert "static.dynamic_code" in checks(found, "warning")
+
+
+# ---------------------------------------------------------------- misc
+
+
+def test_syntax_error_is_a_single_finding_with_its_line():
+    found = check_candidate_source("import torch\ndef f(:\n", "bad.py")
+    assert len(found) == 1
+    assert found[0].check == "static.syntax" and found[0].severity == "error"
+    assert found[0].where == "bad.py:2"
+
+
+def test_pure_pytorch_candidate_gets_a_no_kernel_warning_only():
+    src = (
+        "import torch\nimport torch.nn as nn\n\nclass ModelNew(nn.Module):\n"
+        "    def forward(self, a, b):\n        return torch.matmul(a, b)\n"
+    )
+    found = check_candidate_source(src, "plain.py")
+    assert [f.check for f in found] == ["static.no_kernel"]
+    assert found[0].severity == "warning"
+
+
+def test_findings_are_sorted_by_line_and_deduplicated():
+    found = run("import time\ntime.time = print\ntime.time = print\nimport threading\n")
+    lines = [f.line or 0 for f in found]
+    assert lines == sorted(lines)
+    assert len({(f.check, f.line, f.message) for f in found}) == len(found)
+
+
+def test_nothing_is_imported_or_executed(tmp_path):
+    marker = tmp_path / "ran"
+    src = f"open({str(marker)!r}, 'w').write('x')\nraise SystemExit(1)\n"
+    check_candidate_source(src, "c.py")
+    assert not marker.exists()
