@@ -1,0 +1,359 @@
+"""The built-in kernel tasks: every candidate against its task's reference, on CPU.
+
+Triton kernels run under Triton's interpreter, which is slow, so every case here is tiny; the
+tasks' own SHAPES (Llama-3-8B sizes) are only checked for well-formedness. `judge` below is a
+small stand-in for a proper judge (every shape x several seeds, fresh inputs, the candidate
+before the reference, a float64 comparison at the task's tolerance, inputs unchanged, a second
+run bitwise identical); `lazy_check` is the one-shape, one-seed check a careless harness does.
+Each demo cheat must pass the lazy check and fail the judge on exactly the cases its docstring
+names.
+
+TRITON_INTERPRET=1 has to be in the environment before triton itself is imported (triton's own
+`tl.sum` and friends are decorated at import), and it must not leak into other test files that
+share this pytest process. So the interpreted checks run in one child process per task (this
+file run as a script, with TRITON_INTERPRET=1 in its environment), and the tests assert on the
+report it prints. The torch fallback path (a CPU tensor without the interpreter) is checked in
+this process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+SEEDS = range(5)
+# Like the judge's workers: seed i draws normal inputs, then stresses every floating input with
+# the i-th kind (log-normal magnitudes up to ~100x, or a uniform scale), so tolerance games show.
+INPUT_KINDS = ("normal", "normal", "heavy_tailed", "scaled_1e-3", "scaled_64")
+
+_module_ids = itertools.count()
+
+
+def load(path: Path) -> ModuleType:
+    """Import a task or candidate file by path, as the judge does (a fresh module every time)."""
+    spec = importlib.util.spec_from_file_location(f"loom_kernel_{next(_module_ids)}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def excess_error(out: torch.Tensor, ref: torch.Tensor, tolerance: dict[str, float]) -> float:
+    """Largest |out - ref| / (atol + rtol |ref|) in float64; above 1 means out of tolerance."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return math.inf
+    out64, ref64 = out.detach().cpu().double(), ref.detach().cpu().double()
+    if not torch.equal(torch.isnan(out64), torch.isnan(ref64)):
+        return math.inf
+    infinite = torch.isinf(ref64)
+    if not torch.equal(out64[infinite], ref64[infinite]):
+        return math.inf
+    finite = torch.isfinite(ref64)
+    if not finite.any():
+        return 0.0
+    allowed = tolerance["atol"] + tolerance["rtol"] * ref64[finite].abs()
+    return ((out64[finite] - ref64[finite]).abs() / allowed).max().item()
+
+
+def outputs(result: object) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]  # type: ignore[list-item]
+
+
+@dataclass
+class Verdict:
+    """What the stand-in judge found: the (shape name, seed, reason) of every failing case."""
+
+    failures: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def failing_shapes(self) -> set[str]:
+        return {name for name, _, _ in self.failures}
+
+    def failing_seeds(self) -> set[int]:
+        return {seed for _, seed, _ in self.failures}
+
+
+def case_failures(inputs, before, first, second, expected, tolerances) -> list[str]:
+    """Why one (shape, seed) case fails; empty when it passes."""
+    reasons = []
+    if any(
+        isinstance(a, torch.Tensor) and not torch.equal(a, b)
+        for a, b in zip(inputs, before, strict=True)
+    ):
+        reasons.append("mutated an input")
+    if len(first) != len(expected):
+        return reasons + ["wrong number of outputs"]
+    if any(not torch.equal(a, b) for a, b in zip(first, second, strict=True)):
+        reasons.append("not deterministic")
+    for out, ref in zip(first, expected, strict=True):
+        error = excess_error(out, ref, tolerances[dtype_name(ref.dtype)])
+        if error > 1:
+            reasons.append(f"out of tolerance ({error:.3g}x)")
+    return reasons
+
+
+def stressed(tensor: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    if not tensor.is_floating_point() or kind == "normal":
+        return tensor
+    if kind == "heavy_tailed":
+        factor = torch.exp(torch.randn(tensor.shape, generator=generator) * 1.2)
+        return (tensor.float() * factor).to(tensor.dtype)
+    return (tensor.float() * float(kind.removeprefix("scaled_"))).to(tensor.dtype)
+
+
+def make_inputs(task: ModuleType, shape: dict, seed: int) -> list:
+    torch.manual_seed(seed)
+    inputs = task.get_inputs(**shape)
+    kind = INPUT_KINDS[seed % len(INPUT_KINDS)]
+    generator = torch.Generator().manual_seed(seed ^ 0x5EED)
+    return [stressed(x, kind, generator) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def judge(task: ModuleType, candidate: ModuleType, shapes: list[dict], seeds=SEEDS) -> Verdict:
+    verdict = Verdict()
+    for shape in shapes:
+        init_inputs = task.get_init_inputs(**shape)
+        # Both models are built from the same seed, so parameters drawn in __init__ agree.
+        torch.manual_seed(1234)
+        reference = task.Model(*init_inputs)
+        torch.manual_seed(1234)
+        model = candidate.ModelNew(*init_inputs)
+        for seed in seeds:
+            inputs = make_inputs(task, shape, seed)
+            before = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+            with torch.no_grad():
+                first = outputs(model(*inputs))  # the candidate runs before the reference
+                second = outputs(model(*inputs))
+                expected = outputs(reference(*inputs))
+            for reason in case_failures(inputs, before, first, second, expected, task.TOLERANCE):
+                verdict.failures.append((shape["name"], seed, reason))
+    return verdict
+
+
+def lazy_check(task: ModuleType, candidate: ModuleType, shape: dict) -> bool:
+    """A careless harness: one shape, one seed, one call."""
+    init_inputs = task.get_init_inputs(**shape)
+    torch.manual_seed(0)
+    reference = task.Model(*init_inputs)
+    torch.manual_seed(0)
+    model = candidate.ModelNew(*init_inputs)
+    torch.manual_seed(0)
+    inputs = task.get_inputs(**shape)
+    with torch.no_grad():
+        out, ref = outputs(model(*inputs)), outputs(reference(*inputs))
+    return all(
+        excess_error(o, r, task.TOLERANCE[dtype_name(r.dtype)]) <= 1
+        for o, r in zip(out, ref, strict=True)
+    )
+
+
+# ---------------------------------------------------------------- the tasks, at CPU sizes
+
+
+@dataclass(frozen=True)
+class Cheat:
+    file: str
+    # A proper judge must flag exactly these shapes (by name), or only these seeds.
+    caught_on_shapes: frozenset[str] | None = None
+    caught_on_seeds: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
+class TaskCase:
+    name: str
+    small_shapes: list[dict]  # the first one is what the lazy harness tries
+    candidates: tuple[str, ...] = ("baseline.py", "candidate.py")
+    cheats: tuple[Cheat, ...] = ()
+
+
+TASKS = [
+    TaskCase(
+        "rmsnorm",
+        small_shapes=[
+            {"name": "decode_t1_h256", "tokens": 1, "hidden": 256},
+            {"name": "t5_h256", "tokens": 5, "hidden": 256},
+            {"name": "tail_t3_h320", "tokens": 3, "hidden": 320},
+            {"name": "t4_h96_fp16", "tokens": 4, "hidden": 96, "dtype": "float16"},
+            {"name": "t2_h200_fp32", "tokens": 2, "hidden": 200, "dtype": "float32"},
+        ],
+        cheats=(
+            # Every shape with two or more rows leaves its second half unnormalized.
+            Cheat(
+                "cheat_partial.py",
+                caught_on_shapes=frozenset(
+                    {"t5_h256", "tail_t3_h320", "t4_h96_fp16", "t2_h200_fp32"}
+                ),
+            ),
+            # Right on each shape's first seed, replayed (wrong) on every later one.
+            Cheat("cheat_stale.py", caught_on_seeds=frozenset({1, 2, 3, 4})),
+            # Exact on power-of-two widths (256), wrong on 320 (block 512), 96 (128), 200 (256).
+            Cheat(
+                "cheat_padded_mean.py",
+                caught_on_shapes=frozenset({"tail_t3_h320", "t4_h96_fp16", "t2_h200_fp32"}),
+            ),
+        ),
+    ),
+]
+
+TASK_BY_NAME = {case.name: case for case in TASKS}
+
+
+def candidate_params():
+    return [
+        pytest.param(case.name, file, id=f"{case.name}/{file}")
+        for case in TASKS
+        for file in case.candidates
+    ]
+
+
+def cheat_params():
+    return [
+        pytest.param(case.name, cheat, id=f"{case.name}/{cheat.file}")
+        for case in TASKS
+        for cheat in case.cheats
+    ]
+
+
+# ---------------------------------------------------------------- interpreted checks (child)
+
+
+def interpreter_report(task_name: str) -> dict[str, dict]:
+    """Run every candidate and cheat of one task under the interpreter; JSON-ready findings."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    case = TASK_BY_NAME[task_name]
+    task = load(KERNELS / task_name / "task.py")
+    report: dict[str, dict] = {}
+    for file in case.candidates + tuple(cheat.file for cheat in case.cheats):
+        entry: dict = {}
+        try:
+            entry["lazy"] = lazy_check(task, load(KERNELS / task_name / file), case.small_shapes[0])
+            entry["failures"] = judge(
+                task, load(KERNELS / task_name / file), case.small_shapes
+            ).failures
+        except Exception as error:  # a crashing kernel is a finding, not a dead report
+            entry["crash"] = f"{type(error).__name__}: {error}"
+        report[file] = entry
+    return report
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict[str, dict]]:
+    """Every task's interpreter report, from child processes run side by side."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    children = {
+        case.name: subprocess.Popen(
+            [sys.executable, __file__, case.name],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for case in TASKS
+    }
+    reports = {}
+    for name, child in children.items():
+        stdout, stderr = child.communicate(timeout=600)
+        assert child.returncode == 0, f"{name} interpreter run failed:\n{stderr[-4000:]}"
+        reports[name] = json.loads(stdout.splitlines()[-1])
+    return reports
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("task_name,file", candidate_params())
+def test_candidate_matches_reference_under_interpreter(interpreted, task_name, file):
+    entry = interpreted[task_name][file]
+    assert "crash" not in entry, entry["crash"]
+    assert entry["failures"] == [], entry["failures"]
+
+
+@pytest.mark.parametrize("task_name,file", candidate_params())
+def test_candidate_torch_path_without_interpreter(task_name, file, monkeypatch):
+    # On a CPU tensor without TRITON_INTERPRET the launchers fall back to torch code; that path
+    # must be just as correct, since a judge may run any model on CPU.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = TASK_BY_NAME[task_name]
+    task = load(KERNELS / task_name / "task.py")
+    verdict = judge(task, load(KERNELS / task_name / file), case.small_shapes, seeds=range(2))
+    assert verdict.passed, verdict.failures
+
+
+@pytest.mark.parametrize("task_name,cheat", cheat_params())
+def test_cheat_passes_lazy_check_but_fails_judge(interpreted, task_name, cheat):
+    entry = interpreted[task_name][cheat.file]
+    assert "crash" not in entry, entry["crash"]
+    assert entry["lazy"], "the demo cheat should fool a lazy check"
+    verdict = Verdict([tuple(failure) for failure in entry["failures"]])
+    assert not verdict.passed
+    if cheat.caught_on_shapes is not None:
+        assert verdict.failing_shapes() == cheat.caught_on_shapes, verdict.failures
+    if cheat.caught_on_seeds is not None:
+        assert verdict.failing_seeds() == cheat.caught_on_seeds, verdict.failures
+    assert all(reason.startswith("out of tolerance") for _, _, reason in verdict.failures)
+
+
+@pytest.mark.parametrize("task_name", [case.name for case in TASKS])
+def test_task_file_is_well_formed(task_name):
+    task = load(KERNELS / task_name / "task.py")
+    assert isinstance(task.SHAPES, list) and task.SHAPES
+    names = [shape["name"] for shape in task.SHAPES]
+    assert len(set(names)) == len(names), "shape names must be unique"
+    # KernelBench compatibility: the plain calls work with no arguments.
+    assert isinstance(task.get_init_inputs(), list)
+    for shape in task.SHAPES:
+        assert task.flops(**shape) > 0 and task.bytes_moved(**shape) > 0, shape["name"]
+        assert dtype_name(getattr(torch, shape.get("dtype", "bfloat16"))) in task.TOLERANCE
+
+
+@pytest.mark.parametrize("task_name", [case.name for case in TASKS])
+def test_task_file_parses_as_the_server_reads_it(task_name):
+    # The server reads tasks by AST, never importing them: SHAPES and TOLERANCE must be literals.
+    taskfile = pytest.importorskip("loom_mcp.validate.taskfile")
+    spec = taskfile.read_task(KERNELS / task_name / "task.py")
+    assert spec.shapes_declared and spec.tolerance
+    task = load(KERNELS / task_name / "task.py")
+    assert spec.shape_names == [shape["name"] for shape in task.SHAPES]
+    for file in TASK_BY_NAME[task_name].candidates + tuple(
+        cheat.file for cheat in TASK_BY_NAME[task_name].cheats
+    ):
+        taskfile.check_compatible(spec, taskfile.read_candidate(KERNELS / task_name / file))
+
+
+@pytest.mark.parametrize("task_name", [case.name for case in TASKS])
+def test_task_inputs_are_cpu_tensors_from_the_global_rng(task_name):
+    task = load(KERNELS / task_name / "task.py")
+    shape = TASK_BY_NAME[task_name].small_shapes[0]
+    torch.manual_seed(7)
+    first = task.get_inputs(**shape)
+    torch.manual_seed(7)
+    again = task.get_inputs(**shape)
+    for a, b in zip(first, again, strict=True):
+        assert isinstance(a, torch.Tensor) and a.device.type == "cpu"
+        assert torch.equal(a, b), "inputs must depend only on torch's global seed"
+
+
+if __name__ == "__main__":
+    # The child side of the `interpreted` fixture: one task, report on the last stdout line.
+    print(json.dumps(interpreter_report(sys.argv[1])))

@@ -1,0 +1,155 @@
+"""Every Triton kernel the built-in candidates launch compiles for Hopper and CDNA3, without a GPU.
+
+Triton compiles ahead of time for a named target (`triton.compile(..., target=GPUTarget(...))`)
+with the ptxas and LLVM it bundles, so a CPU-only machine can prove that a kernel lowers to
+sm_90 cubin and gfx942 HSACO at the exact constexprs the task's real shapes ask for, and that
+ptxas assigns it registers without spilling. Timing still needs the GPU.
+
+The launches are recorded, not run: each `@triton.jit` object in the candidate's module is
+swapped for a recorder, the model runs at every shape in the task's SHAPES (TRITON_INTERPRET=1
+makes its launcher take the Triton path on CPU tensors), and each distinct
+(kernel, signature, constexprs, launch options) is then compiled for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+TARGETS = {
+    "sm_90": GPUTarget("cuda", 90, 32),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+_module_ids = itertools.count()
+
+
+def load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"loom_kernel_compile_{next(_module_ids)}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def jit_kernels(module: ModuleType) -> dict[str, JITFunction]:
+    return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
+
+
+# Candidate files that hold Triton kernels (the Q4_K format helpers are not a candidate).
+TRITON_FILES = sorted(
+    path
+    for path in KERNELS.glob("*/*.py")
+    if path.name != "task.py" and "@triton.jit" in path.read_text()
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, int], ...]
+
+
+class LaunchRecorder:
+    """Stands in for `kernel[grid](...)`: notes the argument types, runs nothing."""
+
+    def __init__(self, name: str, kernel: JITFunction, launches: set[Launch]) -> None:
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            options = {key: kwargs.pop(key) for key in LAUNCH_OPTIONS if key in kwargs}
+            bound = dict(zip(self.kernel.arg_names, args, strict=False)) | kwargs
+            signature, constexprs = [], []
+            for param in self.kernel.params:
+                value = bound[param.name] if param.name in bound else param.default
+                if param.is_constexpr:
+                    signature.append((param.name, "constexpr"))
+                    constexprs.append((param.name, value))
+                else:
+                    signature.append((param.name, mangle_type(value)))
+            self.launches.add(
+                Launch(
+                    self.name, tuple(signature), tuple(constexprs), tuple(sorted(options.items()))
+                )
+            )
+
+        return launch
+
+
+def record_launches(path: Path, monkeypatch) -> tuple[ModuleType, set[Launch]]:
+    module = load(path)
+    task = load(path.parent / "task.py")
+    launches: set[Launch] = set()
+    for name, kernel in jit_kernels(module).items():
+        monkeypatch.setattr(module, name, LaunchRecorder(name, kernel, launches))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only steers the launcher; nothing is interpreted
+    for shape in task.SHAPES:
+        model = module.ModelNew(*task.get_init_inputs(**shape))
+        with torch.no_grad():
+            model(*task.get_inputs(**shape))
+    monkeypatch.undo()
+    return module, launches
+
+
+def ptxas_report(ptx: str, tmp_path: Path) -> tuple[int, int]:
+    """(registers per thread, spill bytes) that ptxas reports for sm_90a."""
+    # Triton hands sm_90 and newer to the CUDA 13 ptxas it bundles as `ptxas_blackwell`.
+    ptxas = triton.knobs.nvidia.ptxas_blackwell.path
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    log = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", str(source), "-o", str(tmp_path / "kernel.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return registers, spills
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("path", TRITON_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_kernels_compile_at_task_shapes(path, target, monkeypatch, tmp_path):
+    module, launches = record_launches(path, monkeypatch)
+    assert launches, "the Triton path launched no kernel"
+    kernels = jit_kernels(module)
+    for launch in sorted(launches, key=repr):
+        source = ASTSource(
+            fn=kernels[launch.kernel],
+            signature=dict(launch.signature),
+            constexprs=dict(launch.constexprs),
+        )
+        compiled = triton.compile(source, target=TARGETS[target], options=dict(launch.options))
+        binary = "cubin" if target == "sm_90" else "hsaco"
+        assert compiled.asm.get(binary), f"{launch.kernel}: no {binary}"
+        if target == "sm_90":
+            registers, spills = ptxas_report(compiled.asm["ptx"], tmp_path)
+            print(
+                f"{path.parent.name}/{path.name} {launch.kernel} {launch.signature[0][1]} "
+                f"{dict(launch.constexprs)} "
+                f"{dict(launch.options)}: {registers} registers, {spills} B spilled"
+            )
+            # A spill in a bandwidth-bound kernel turns into extra memory traffic.
+            assert spills == 0, f"{launch.kernel} {dict(launch.constexprs)} spills {spills} B"
+            assert registers <= 255
