@@ -515,3 +515,12 @@ def test_nothing_is_imported_or_executed(tmp_path):
     src = f"open({str(marker)!r}, 'w').write('x')\nraise SystemExit(1)\n"
     check_candidate_source(src, "c.py")
     assert not marker.exists()
+
+
+def test_dtypes_the_task_uses_are_not_downgrades():
+    body = "def f(x):\n    return x.bfloat16().to(torch.bfloat16), x.half()\n"
+    assert "static.precision_downgrade" in checks(run(body))
+    found = run(body, allowed_dtypes=("bf16",))
+    lines = [f.message for f in found if f.check == "static.precision_downgrade"]
+    assert len(lines) == 1 and ".half()" in lines[0]
+    assert "static.precision_downgrade" not in checks(run(body, allowed_dtypes=("bf16", "fp16")))

@@ -380,3 +380,13 @@ def test_incompatible_init():
     )
     with pytest.raises(LoomError, match="__init__"):
         check_compatible(task, cand)
+
+
+def test_dtypes_the_task_mentions():
+    assert parse_task_source(KERNELBENCH_1, "kb.py").dtypes == []
+    assert parse_task_source(RMSNORM_TASK, "rms.py").dtypes == ["bf16", "fp32"]
+    src = task_with(
+        "SHAPES = [{'name': 'a', 'dtype': 'fp16'}, {'name': 'b', 'dtype': 'float8_e4m3fn'}]\n"
+        "def get_inputs(dtype):\n    return []\ndef get_init_inputs():\n    return []\n"
+    )
+    assert parse_task_source(src).dtypes == ["fp16", "fp8"]

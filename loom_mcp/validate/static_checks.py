@@ -314,26 +314,25 @@ TENSOR_BASES = frozenset(
 )
 DISPATCH_MODULES = ("torch.utils._python_dispatch", "torch.overrides", "torch._subclasses")
 
-LOW_DTYPES = frozenset(
-    {
-        "torch.float16",
-        "torch.half",
-        "torch.bfloat16",
-        "torch.float8_e4m3fn",
-        "torch.float8_e4m3fnuz",
-        "torch.float8_e5m2",
-        "torch.float8_e5m2fnuz",
-        "torch.float8_e8m0fnu",
-        "triton.language.float16",
-        "triton.language.bfloat16",
-        "triton.language.float8e4nv",
-        "triton.language.float8e5",
-        "triton.language.float8e4b15",
-        "triton.language.float8e4b8",
-        "triton.language.float8e5b16",
-    }
-)
-LOW_PRECISION_METHODS = frozenset({"half", "bfloat16"})
+# Lower-precision dtypes -> canonical name. A dtype the task itself uses is not a downgrade.
+LOW_DTYPES: dict[str, str] = {
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float8_e4m3fn": "fp8",
+    "torch.float8_e4m3fnuz": "fp8",
+    "torch.float8_e5m2": "fp8",
+    "torch.float8_e5m2fnuz": "fp8",
+    "torch.float8_e8m0fnu": "fp8",
+    "triton.language.float16": "fp16",
+    "triton.language.bfloat16": "bf16",
+    "triton.language.float8e4nv": "fp8",
+    "triton.language.float8e5": "fp8",
+    "triton.language.float8e4b15": "fp8",
+    "triton.language.float8e4b8": "fp8",
+    "triton.language.float8e5b16": "fp8",
+}
+LOW_PRECISION_METHODS: dict[str, str] = {"half": "fp16", "bfloat16": "bf16"}
 AUTOCAST_CALLS = frozenset(
     {"torch.autocast", "torch.amp.autocast", "torch.cuda.amp.autocast", "torch.cpu.amp.autocast"}
 )
@@ -513,12 +512,18 @@ def _is_under(name: str, prefixes: Iterable[str]) -> bool:
 
 class _Analyzer(ast.NodeVisitor):
     def __init__(
-        self, tree: ast.Module, filename: str, reference_names: set[str], task_modules: set[str]
+        self,
+        tree: ast.Module,
+        filename: str,
+        reference_names: set[str],
+        task_modules: set[str],
+        allowed_dtypes: set[str],
     ) -> None:
         self.tree = tree
         self.filename = filename
         self.reference_names = reference_names
         self.task_modules = task_modules
+        self.allowed_dtypes = allowed_dtypes
         self.findings: list[Finding] = []
         self._seen: set[tuple[str, int | None, str]] = set()
         self.aliases: dict[str, str] = {}
@@ -820,7 +825,7 @@ class _Analyzer(ast.NodeVisitor):
         if q:
             if _is_under(q, KERNEL_MARKERS):
                 self.kernel_evidence = True
-            if q in LOW_DTYPES:
+            if q in LOW_DTYPES and LOW_DTYPES[q] not in self.allowed_dtypes:
                 self.add(
                     "static.precision_downgrade",
                     "warning",
@@ -1108,7 +1113,11 @@ class _Analyzer(ast.NodeVisitor):
             self._check_key(node.args[0], node)
 
         # precision
-        if attr in LOW_PRECISION_METHODS and not node.args:
+        if (
+            attr in LOW_PRECISION_METHODS
+            and not node.args
+            and LOW_PRECISION_METHODS[attr] not in self.allowed_dtypes
+        ):
             self.add(
                 "static.precision_downgrade",
                 "warning",
@@ -1335,11 +1344,14 @@ def check_candidate_source(
     *,
     reference_names: Iterable[str] = DEFAULT_REFERENCE_NAMES,
     task_modules: Iterable[str] = (),
+    allowed_dtypes: Iterable[str] = (),
 ) -> list[Finding]:
     """All static findings for one candidate's source, ordered by line.
 
     reference_names: class names of the reference (the task's `Model`).
     task_modules: extra module names the candidate must not import (e.g. the task file's stem).
+    allowed_dtypes: canonical dtypes the task itself uses ('bf16', 'fp16', 'fp8'); using them is
+        not a precision downgrade (TaskSpec.dtypes gives them).
     """
     try:
         tree = ast.parse(source, filename=filename)
@@ -1359,6 +1371,7 @@ def check_candidate_source(
         filename,
         set(reference_names),
         set(DEFAULT_TASK_MODULES) | set(task_modules),
+        set(allowed_dtypes),
     )
     analyzer.visit(tree)
     analyzer.finish()
@@ -1370,6 +1383,7 @@ def check_candidate_file(
     *,
     reference_names: Iterable[str] = DEFAULT_REFERENCE_NAMES,
     task_modules: Iterable[str] = (),
+    allowed_dtypes: Iterable[str] = (),
 ) -> list[Finding]:
     p = Path(path)
     return check_candidate_source(
@@ -1377,6 +1391,7 @@ def check_candidate_file(
         str(p),
         reference_names=reference_names,
         task_modules=task_modules,
+        allowed_dtypes=allowed_dtypes,
     )
 
 

@@ -108,6 +108,11 @@ class TaskSpec(_Model):
     flops: Signature | None = None
     bytes_moved: Signature | None = None
     nondeterministic: bool = False
+    dtypes: list[str] = Field(
+        default_factory=list,
+        description="Canonical dtypes the task mentions (torch.bfloat16, 'fp16' in SHAPES, ...); "
+        "a candidate using them is not downgrading precision",
+    )
 
     @property
     def shape_names(self) -> list[str]:
@@ -382,6 +387,26 @@ def _read_tolerance(path: str, stmt: ast.stmt, consts: dict[str, Any]) -> dict[s
     return out
 
 
+def _mentioned_dtypes(tree: ast.Module) -> list[str]:
+    """Dtypes named anywhere in the task: torch.<dtype> attributes and dtype-like strings."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        name: str | None = None
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "torch":
+                name = node.attr
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 24
+        ):
+            name = node.value
+        if name:
+            dtype = canonical_dtype(name)
+            # Bare "float"/"int"/"bool" strings say nothing about precision; only explicit names do.
+            if dtype and name.lower() not in ("float", "int", "bool", "long", "short", "double"):
+                found.add(dtype)
+    return sorted(found)
+
+
 def _check_shape_arguments(path: str, task: TaskSpec) -> None:
     """Every shape key must reach some function, and every required parameter must be given."""
     consumers: dict[str, Signature] = {
@@ -475,6 +500,7 @@ def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
         flops=_function(path, top, "flops", required=False),
         bytes_moved=_function(path, top, "bytes_moved", required=False),
         nondeterministic=nondeterministic,
+        dtypes=_mentioned_dtypes(tree),
     )
     _check_shape_arguments(path, spec)
     return spec
