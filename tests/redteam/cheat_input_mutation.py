@@ -1,0 +1,14 @@
+"""Exploit class: input mutation. Computes the answer, then scribbles over its input."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+        x.zero_()
+        return out

@@ -1,0 +1,12 @@
+"""Honest: the same math with torch's fused rms_norm."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)

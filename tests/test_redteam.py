@@ -1,0 +1,139 @@
+"""Red team: a cheating candidate for every exploit class of kernel_eval.md §2 that our task format
+admits. Each must be rejected with the named check; honest candidates must pass. All of it goes
+through the real MCP protocol, real sandboxed workers, and Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from loom_mcp.config import load_config
+from loom_mcp.gate import decide
+from loom_mcp.judge_models import BenchmarkEvidence, CompileEvidence, ValidationEvidence
+from loom_mcp.server import build_server
+from loom_mcp.store import Ledger
+
+REDTEAM = Path(__file__).parent / "redteam"
+
+# candidate -> (exploit class, checks of which at least one must be reported)
+CHEATS = {
+    "cheat_stale_output.py": ("stale/uninitialised output", {"validation.nan_inf", "validation.mismatch"}),
+    "cheat_input_mutation.py": ("input mutation", {"validation.input_mutation"}),
+    "cheat_pointer_cache.py": ("result caching by pointer", {"static.pointer_cache"}),
+    "cheat_timer_patch.py": ("timer monkeypatching", {"static.monkeypatch"}),
+    "cheat_torch_patch.py": ("torch monkeypatching", {"static.monkeypatch"}),
+    "cheat_late_thread.py": ("background thread finishing late", {"validation.late_write", "static.threads"}),
+    "cheat_lazy_subclass.py": ("lazy tensor subclass", {"validation.output_type", "static.tensor_subclass"}),
+    "cheat_calls_reference.py": ("calling the reference", {"static.reference_use", "static.dynamic_code"}),
+    "cheat_subclass_reference.py": ("subclassing the reference", {"static.reference_use"}),
+    "cheat_try_fallback.py": ("try/except fallback", {"static.try_fallback"}),
+    "cheat_precision_downgrade.py": ("precision downgrade", {"validation.mismatch"}),
+    "cheat_hardcoded_seeds.py": ("hard-coded seeds", {"validation.mismatch"}),
+    "cheat_partial_work.py": ("partial work", {"validation.mismatch"}),
+    "cheat_nan_output.py": ("NaN output", {"validation.nan_inf"}),
+    "cheat_grader_introspection.py": ("reading the grader", {"static.grader_introspection"}),
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("redteam")
+    shutil.copytree(REDTEAM, root / "redteam")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(workspace):
+    home = workspace / "home"
+    return build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+
+
+async def validate(server, workspace: Path, candidate: str) -> dict:
+    async with Client(server) as client:
+        result = await client.call_tool("run_validation", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / candidate)})
+    assert result.is_error is False, result.content
+    return result.structured_content
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("candidate", ["honest_torch.py", "honest_triton.py"])
+async def test_honest_candidates_pass(server, workspace, candidate):
+    report = await validate(server, workspace, candidate)
+    assert report["passed"] is True, report
+    assert report["cases_total"] == 2 * 5 and report["cases_failed"] == 0
+    assert {c["input_kind"] for c in [report["worst_case"]]} <= {"normal", "heavy_tailed", "scaled_1e-3", "scaled_64"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("candidate", sorted(CHEATS))
+async def test_cheats_are_rejected_with_the_named_check(server, workspace, candidate):
+    exploit, expected = CHEATS[candidate]
+    report = await validate(server, workspace, candidate)
+    checks = {f["check"] for f in report["findings"] if f["severity"] == "error"}
+    assert report["passed"] is False, f"{exploit} passed validation"
+    assert checks & expected, f"{exploit}: expected one of {expected}, got {checks}"
+    # The gate agrees: no validation pass, no accept, whatever a benchmark would say.
+    verdict = decide(CompileEvidence(ok=True), ValidationEvidence(
+        validation_id=report["validation_id"], passed=False), None, load_config(
+            workspace / "home", environ={"LOOM_ALLOWED_ROOTS": str(workspace)}).gate)
+    assert verdict.verdict == "reject"
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_extra_stream_is_caught_on_gpu(server, workspace):
+    report = await validate(server, workspace, "cheat_extra_stream.py")
+    checks = {f["check"] for f in report["findings"]}
+    assert report["passed"] is False
+    assert checks & {"validation.late_write", "static.extra_stream"}
+
+
+async def bench(server, workspace: Path, candidate: str) -> dict:
+    async with Client(server) as client:
+        result = await client.call_tool("benchmark", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / candidate), "shapes": ["rows5_d37"]})
+    assert result.is_error is False, result.content
+    return result.structured_content
+
+
+@pytest.mark.anyio
+async def test_phase_detection_is_caught_while_timed(server, workspace):
+    """Honest for its first 20 calls (enough to pass validation), garbage afterwards."""
+    report = await validate(server, workspace, "cheat_phase_detection.py")
+    assert report["passed"] is True  # the exploit's premise: validation alone cannot see it
+    timed = await bench(server, workspace, "cheat_phase_detection.py")
+    assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
+
+
+@pytest.mark.anyio
+async def test_pointer_cache_serves_stale_results_while_timed(server, workspace):
+    timed = await bench(server, workspace, "cheat_pointer_cache.py")
+    assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
+
+
+@pytest.mark.anyio
+async def test_timer_patch_is_detected_while_timed(server, workspace):
+    timed = await bench(server, workspace, "cheat_timer_patch.py")
+    checks = {f["check"] for f in timed["findings"]}
+    assert "benchmark.timer_tampering" in checks
+    # The harness bound its timer first, so the samples are real, not zero.
+    assert all(s["candidate_median_s"] > 0 for s in timed["shapes"])
+
+
+@pytest.mark.anyio
+async def test_honest_benchmark_reports_statistics(server, workspace):
+    timed = await bench(server, workspace, "honest_torch.py")
+    assert timed["findings"] == []
+    shape = timed["shapes"][0]
+    assert shape["pairs"] >= 10
+    assert shape["ci_low"] <= shape["speedup"] <= shape["ci_high"]
+    assert timed["timer"] == "wall_clock" and "CPU" in timed["timer_note"]
+    ledger = Ledger(workspace / "home" / "ledger.sqlite3")
+    assert ledger.run(timed["benchmark_id"])["kind"] == "benchmark"
+
