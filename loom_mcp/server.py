@@ -26,7 +26,6 @@ from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.inventory import device_info as device_info_impl
-from loom_mcp import judge
 from loom_mcp.models import (
     BenchmarkResult,
     Budgets,
@@ -219,6 +218,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         arguments = {"source": source, "language": language, "target": target, "flags": flags, "task": task}
 
         async def body(scope: CallScope) -> CompileResult:
+            from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
+
             result, device_s = await judge.compile_kernel(
                 config, services.artifacts, source=source, language=language, target=target,
                 flags=flags or [], task=task, progress=progress_of(ctx))
@@ -249,6 +250,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         arguments = {"task": task, "candidate": candidate, "seeds": seeds, "shapes": shapes}
 
         async def body(scope: CallScope) -> RunValidationResult:
+            from loom_mcp import judge
+
             result, _, device_s = await judge.run_validation(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
                 seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))
@@ -275,6 +278,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes}
 
         async def body(scope: CallScope) -> BenchmarkResult:
+            from loom_mcp import judge
+
             result, _, _, device_s = await judge.run_benchmark(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
                 baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))

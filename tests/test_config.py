@@ -10,7 +10,7 @@ def test_home_and_overrides(tmp_path):
     home = tmp_path / "h"
     home.mkdir()
     (home / "loom.toml").write_text(
-        'allowed_roots = ["%s"]\n[gate]\nmin_gain = 0.05\n[budgets]\ncandidates = 7\n' % tmp_path
+        f'allowed_roots = ["{tmp_path}"]\n[gate]\nmin_gain = 0.05\n[budgets]\ncandidates = 7\n'
     )
     config = load_config(home, environ={})
     assert config.home == home.resolve()
