@@ -216,6 +216,77 @@ TASKS = [
     ),
 ]
 
+TASKS += [
+    TaskCase(
+        "silu_mul",
+        small_shapes=[
+            {"name": "decode_t1_i256", "tokens": 1, "intermediate": 256},
+            {"name": "tail_t3_i1500", "tokens": 3, "intermediate": 1500},  # two blocks, a tail
+            {"name": "t2_i700_fp16", "tokens": 2, "intermediate": 700, "dtype": "float16"},
+            {"name": "t2_i300_fp32", "tokens": 2, "intermediate": 300, "dtype": "float32"},
+        ],
+    ),
+    TaskCase(
+        "softmax",
+        small_shapes=[
+            {"name": "t1_n512", "rows": 1, "cols": 512},
+            {"name": "tail_t3_n1000", "rows": 3, "cols": 1000},
+            {"name": "t2_n300_fp16", "rows": 2, "cols": 300, "dtype": "float16"},
+            # Wider than one pass (8192): the online two-pass walk, with a tail chunk.
+            {"name": "two_pass_t2_n9000", "rows": 2, "cols": 9000},
+            {"name": "two_pass_t1_n9000_fp32", "rows": 1, "cols": 9000, "dtype": "float32"},
+        ],
+    ),
+    TaskCase(
+        "rope",
+        small_shapes=[
+            {
+                "name": "decode_t1",
+                "tokens": 1,
+                "context": 8192,
+                "mode": "decode",
+                "q_heads": 4,
+                "kv_heads": 2,
+            },
+            # 6 query heads fill a block of 8: masked heads; positions up to 128k: large angles.
+            {
+                "name": "decode_t5_ctx128k",
+                "tokens": 5,
+                "context": 131072,
+                "mode": "decode",
+                "q_heads": 6,
+                "kv_heads": 2,
+            },
+            {
+                "name": "prefill_t8",
+                "tokens": 8,
+                "context": 8,
+                "mode": "prefill",
+                "q_heads": 4,
+                "kv_heads": 1,
+            },
+            {
+                "name": "chunk_t7_ctx100_fp16",
+                "tokens": 7,
+                "context": 100,
+                "mode": "prefill",
+                "q_heads": 4,
+                "kv_heads": 2,
+                "dtype": "float16",
+            },
+            {
+                "name": "decode_t3_ctx128k_fp32",
+                "tokens": 3,
+                "context": 131072,
+                "mode": "decode",
+                "q_heads": 4,
+                "kv_heads": 2,
+                "dtype": "float32",
+            },
+        ],
+    ),
+]
+
 TASK_BY_NAME = {case.name: case for case in TASKS}
 
 

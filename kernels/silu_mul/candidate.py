@@ -1,0 +1,116 @@
+"""Fused SiLU-and-multiply in Triton: out = silu(gate) * up in one read and one write.
+
+The input is one [tokens, 2 * I] tensor (gate in the first half of each row, up in the second,
+as a fused gate_up projection returns it). The grid is (tokens, ceil(I / BLOCK_SIZE)); each
+program loads a block of gate and the matching block of up, computes in fp32 and stores the
+product. Rounding follows the reference: silu is rounded to the activation dtype before the
+multiply, and the product is rounded again, as eager `F.silu(gate) * up` does.
+
+Where it runs: on a GPU tensor (CUDA or ROCm) the Triton kernel always runs. On a CPU tensor the
+kernel runs only under the interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
+without it, `forward` computes the same thing with eager PyTorch, so the model still works
+wherever a judge moves it.
+
+Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `python candidate.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# 1024 elements per program: 8 per thread at 4 warps, enough bytes in flight per SM for an
+# elementwise kernel, and a tail block on every intermediate size that is not a multiple of it.
+BLOCK_SIZE = 1024
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Round fp32 to `dtype` to nearest even, as PyTorch's casts do.
+
+    GPUs round fp32 -> bf16 to nearest even, but Triton's CPU interpreter truncates; rounding
+    by hand on the bit pattern gives the same bits on every device.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def silu_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    in_row_stride,
+    out_row_stride,
+    intermediate,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    in_row = cols < intermediate
+    gate_row = gate_up_ptr + row.to(tl.int64) * in_row_stride
+    gate = tl.load(gate_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    up = tl.load(gate_row + intermediate + cols, mask=in_row, other=0.0).to(tl.float32)
+
+    out_dtype = out_ptr.dtype.element_ty
+    # x / (1 + exp(-x)) is PyTorch's formula; it gives -0 rather than NaN for very negative x.
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), out_dtype).to(tl.float32)
+    out = round_to(silu * up, out_dtype)
+    tl.store(out_ptr + row.to(tl.int64) * out_row_stride + cols, out, mask=in_row)
+
+
+def _runs_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[..., :I]) * gate_up[..., I:] as a new [..., I] tensor."""
+    intermediate = gate_up.shape[-1] // 2
+    if not _runs_triton(gate_up):
+        return F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]
+
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out.reshape(*gate_up.shape[:-1], intermediate)
+    grid = (rows.shape[0], triton.cdiv(intermediate, BLOCK_SIZE))
+    silu_mul_kernel[grid](
+        rows,
+        out,
+        rows.stride(0),
+        out.stride(0),
+        intermediate,
+        BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=4,
+    )
+    return out.reshape(*gate_up.shape[:-1], intermediate)
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = "triton" if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    for tokens, intermediate, dtype in [
+        (1, 1024, torch.bfloat16),
+        (3, 1500, torch.float16),
+        (2, 700, torch.float32),
+    ]:
+        gate_up = torch.randn(tokens, 2 * intermediate, dtype=dtype, device=device)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        expected = gate / (1 + torch.exp(-gate)) * up
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ModelNew()(gate_up).double(), expected, atol=tol, rtol=tol)
+    print(f"silu_mul candidate ({path} path on {device}): ok")
