@@ -231,9 +231,18 @@ class RatioCI(_Model):
     estimate: float = Field(gt=0)
     ci_low: float = Field(gt=0)
     ci_high: float = Field(gt=0)
-    level: float
-    resamples: int
+    level: float = Field(gt=0, lt=1)
+    resamples: int = Field(ge=0)
     method: Literal["paired_bootstrap", "independent_bootstrap", "degenerate"]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RatioCI:
+        # The gate reads bounds at face value, so an interval that does not hold its own
+        # estimate is refused at the door rather than judged.
+        slack = 1 + 1e-9  # float rounding only
+        if self.ci_low > self.estimate * slack or self.estimate > self.ci_high * slack:
+            raise ValueError("a CI must satisfy ci_low <= estimate <= ci_high")
+        return self
 
 
 class ShapeSamples(_Model):

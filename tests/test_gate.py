@@ -437,3 +437,12 @@ def test_config_and_evidence_forbid_unknown_fields():
     with pytest.raises(ValueError):
         CompileEvidence(ok=True, verdict="accept")
     assert GateConfig().model_dump()["min_gain"] == 0.02
+
+
+def test_ratio_ci_must_hold_its_estimate():
+    with pytest.raises(ValueError):
+        ratio(1.5, 1.0, 1.2)
+    with pytest.raises(ValueError):
+        ratio(1.1, 1.2, 1.3)
+    with pytest.raises(ValueError):
+        ratio(1.1, 1.0, 1.2, level=1.5)

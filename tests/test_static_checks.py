@@ -524,3 +524,21 @@ def test_dtypes_the_task_uses_are_not_downgrades():
     lines = [f.message for f in found if f.check == "static.precision_downgrade"]
     assert len(lines) == 1 and ".half()" in lines[0]
     assert "static.precision_downgrade" not in checks(run(body, allowed_dtypes=("bf16", "fp16")))
+
+
+def test_stream_attributes_are_tracked_by_what_they_hold():
+    honest = (
+        "class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.stream = torch.cuda.current_stream()\n"
+        "    def forward(self, x):\n        return torch.ops.my.k(x, stream=self.stream)\n"
+    )
+    assert "static.extra_stream" not in checks(run(honest))
+    cheat = honest.replace("torch.cuda.current_stream()", "torch.cuda.Stream()")
+    stream_lines = {f.line for f in run(cheat) if f.check == "static.extra_stream"}
+    assert len(stream_lines) == 2  # the creation and the launch that uses it
+
+
+def test_repeated_warnings_are_reported_once():
+    body = "@triton.jit\ndef k(a):\n    b = a.to(tl.float16)\n    c = b.to(tl.float16)\n"
+    found = [f for f in run(body) if f.check == "static.precision_downgrade"]
+    assert len(found) == 1 and found[0].line == 7

@@ -528,7 +528,8 @@ class _Analyzer(ast.NodeVisitor):
         self._seen: set[tuple[str, int | None, str]] = set()
         self.aliases: dict[str, str] = {}
         self.local_names: set[str] = set()
-        self.stream_names: set[str] = set()  # names bound to a non-benign stream-ish call
+        # Names and attribute targets (as source text, 'self.side') bound to a stream creation.
+        self.stream_names: set[str] = set()
         self.identity_names: set[str] = set()  # names bound to expressions holding data_ptr/id
         self.functions: list[str] = []
         self.classes: list[tuple[str, list[str]]] = []
@@ -539,7 +540,9 @@ class _Analyzer(ast.NodeVisitor):
 
     def add(self, check: str, severity: Severity, node: ast.AST | int | None, message: str) -> None:
         line = node if isinstance(node, int) or node is None else getattr(node, "lineno", None)
-        key = (check, line, message)
+        # Errors are reported at every line (each must be fixed); a repeated warning once, at its
+        # first line, so a bf16 kernel does not bury the result under identical notes.
+        key = (check, line if severity == "error" else None, message)
         if key in self._seen:
             return
         self._seen.add(key)
@@ -593,14 +596,17 @@ class _Analyzer(ast.NodeVisitor):
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if isinstance(node.value, ast.Call):
+                    q = self.chain(node.value.func) or ""
+                    if q in STREAM_CALLS and not self._benign_stream(node.value):
+                        self.stream_names.update(
+                            ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)
+                        )
+                        self.stream_names.update(names)
                 if not names:
                     continue
                 if self._contains_identity(node.value):
                     self.identity_names.update(names)
-                if isinstance(node.value, ast.Call) and not self._benign_stream(node.value):
-                    q = self.chain(node.value.func) or ""
-                    if q in STREAM_CALLS:
-                        self.stream_names.update(names)
 
     def chain(self, node: ast.AST) -> str | None:
         """Dotted name of a pure attribute chain rooted at an import or a builtin, else None.
@@ -1049,9 +1055,12 @@ class _Analyzer(ast.NodeVisitor):
         for kw in node.keywords:
             if kw.arg == "stream" and not self._benign_stream(kw.value):
                 value = kw.value
+                # A name or attribute is suspicious when it holds a created stream; any other
+                # call is, unless it is the current/default stream (checked above).
                 suspicious = (
-                    isinstance(value, ast.Name) and value.id in self.stream_names
-                ) or isinstance(value, (ast.Call, ast.Attribute))
+                    isinstance(value, (ast.Name, ast.Attribute))
+                    and ast.unparse(value) in self.stream_names
+                ) or isinstance(value, ast.Call)
                 if suspicious:
                     self.add(
                         "static.extra_stream",
