@@ -2,9 +2,10 @@
 
 Triton kernels run under Triton's interpreter, which is slow, so every case here is tiny; the
 tasks' own SHAPES (Llama-3-8B sizes) are only checked for well-formedness. `judge` below is a
-small stand-in for a proper judge (every shape x several seeds, fresh inputs, the candidate
-before the reference, a float64 comparison at the task's tolerance, inputs unchanged, a second
-run bitwise identical); `lazy_check` is the one-shape, one-seed check a careless harness does.
+small stand-in for loom's judge (every shape x several seeds with stressed inputs, the candidate
+before the reference, outputs compared in float64 at the task's tolerance against the reference
+module run in float64, inputs unchanged, a second run bitwise identical); `lazy_check` is the
+one-shape, one-seed, plain-inputs check a careless harness does.
 Each demo cheat must pass the lazy check and fail the judge on exactly the cases its docstring
 names.
 
@@ -18,6 +19,7 @@ this process.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import json
@@ -56,11 +58,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def excess_error(out: torch.Tensor, ref: torch.Tensor, tolerance: dict[str, float]) -> float:
-    """Largest |out - ref| / (atol + rtol |ref|) in float64; above 1 means out of tolerance."""
-    if out.shape != ref.shape or out.dtype != ref.dtype:
+def excess_error(
+    out: torch.Tensor, native: torch.Tensor, target: torch.Tensor, tolerance: dict[str, float]
+) -> float:
+    """Largest |out - target| / (atol + rtol |target|) in float64; above 1 is out of tolerance.
+
+    `native` (the reference run as written) fixes the expected shape and dtype, and so the
+    tolerance; `target` is the value to match (the reference run in float64, where it runs).
+    """
+    if out.shape != native.shape or out.dtype != native.dtype:
         return math.inf
-    out64, ref64 = out.detach().cpu().double(), ref.detach().cpu().double()
+    out64, ref64 = out.detach().cpu().double(), target.detach().cpu().double()
     if not torch.equal(torch.isnan(out64), torch.isnan(ref64)):
         return math.inf
     infinite = torch.isinf(ref64)
@@ -82,6 +90,7 @@ class Verdict:
     """What the stand-in judge found: the (shape name, seed, reason) of every failing case."""
 
     failures: list[tuple[str, int, str]] = field(default_factory=list)
+    worst: float = 0.0  # the largest error seen, as a fraction of what the tolerance allows
 
     @property
     def passed(self) -> bool:
@@ -94,23 +103,40 @@ class Verdict:
         return {seed for _, seed, _ in self.failures}
 
 
-def case_failures(inputs, before, first, second, expected, tolerances) -> list[str]:
-    """Why one (shape, seed) case fails; empty when it passes."""
-    reasons = []
+def reference_outputs(reference: torch.nn.Module, inputs: list) -> tuple[list, list]:
+    """(native outputs, float64 outputs): the module as written, then a float64 copy of it."""
+    native = outputs(reference(*inputs))
+    exact = outputs(
+        copy.deepcopy(reference).double()(
+            *[
+                x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                for x in inputs
+            ]
+        )
+    )
+    return native, exact
+
+
+def case_failures(inputs, before, first, second, expected, tolerances) -> tuple[list[str], float]:
+    """(why one (shape, seed) case fails, its worst error / allowed); no reasons when it passes."""
+    reasons: list[str] = []
+    worst = 0.0
     if any(
         isinstance(a, torch.Tensor) and not torch.equal(a, b)
         for a, b in zip(inputs, before, strict=True)
     ):
         reasons.append("mutated an input")
-    if len(first) != len(expected):
-        return reasons + ["wrong number of outputs"]
+    native, exact = expected
+    if len(first) != len(native):
+        return reasons + ["wrong number of outputs"], math.inf
     if any(not torch.equal(a, b) for a, b in zip(first, second, strict=True)):
         reasons.append("not deterministic")
-    for out, ref in zip(first, expected, strict=True):
-        error = excess_error(out, ref, tolerances[dtype_name(ref.dtype)])
+    for out, ref, target in zip(first, native, exact, strict=True):
+        error = excess_error(out, ref, target, tolerances[dtype_name(ref.dtype)])
+        worst = max(worst, error)
         if error > 1:
             reasons.append(f"out of tolerance ({error:.3g}x)")
-    return reasons
+    return reasons, worst
 
 
 def stressed(tensor: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
@@ -145,9 +171,10 @@ def judge(task: ModuleType, candidate: ModuleType, shapes: list[dict], seeds=SEE
             with torch.no_grad():
                 first = outputs(model(*inputs))  # the candidate runs before the reference
                 second = outputs(model(*inputs))
-                expected = outputs(reference(*inputs))
-            for reason in case_failures(inputs, before, first, second, expected, task.TOLERANCE):
-                verdict.failures.append((shape["name"], seed, reason))
+                expected = reference_outputs(reference, inputs)
+            reasons, worst = case_failures(inputs, before, first, second, expected, task.TOLERANCE)
+            verdict.worst = max(verdict.worst, worst)
+            verdict.failures.extend((shape["name"], seed, reason) for reason in reasons)
     return verdict
 
 
@@ -161,10 +188,10 @@ def lazy_check(task: ModuleType, candidate: ModuleType, shape: dict) -> bool:
     torch.manual_seed(0)
     inputs = task.get_inputs(**shape)
     with torch.no_grad():
-        out, ref = outputs(model(*inputs)), outputs(reference(*inputs))
+        out, (native, exact) = outputs(model(*inputs)), reference_outputs(reference, inputs)
     return all(
-        excess_error(o, r, task.TOLERANCE[dtype_name(r.dtype)]) <= 1
-        for o, r in zip(out, ref, strict=True)
+        excess_error(o, r, t, task.TOLERANCE[dtype_name(r.dtype)]) <= 1
+        for o, r, t in zip(out, native, exact, strict=True)
     )
 
 
@@ -319,9 +346,8 @@ def interpreter_report(task_name: str) -> dict[str, dict]:
         entry: dict = {}
         try:
             entry["lazy"] = lazy_check(task, load(KERNELS / task_name / file), case.small_shapes[0])
-            entry["failures"] = judge(
-                task, load(KERNELS / task_name / file), case.small_shapes
-            ).failures
+            verdict = judge(task, load(KERNELS / task_name / file), case.small_shapes)
+            entry["failures"], entry["worst"] = verdict.failures, verdict.worst
         except Exception as error:  # a crashing kernel is a finding, not a dead report
             entry["crash"] = f"{type(error).__name__}: {error}"
         report[file] = entry

@@ -37,17 +37,16 @@ def rmsnorm_padded_mean_kernel(x_ptr, weight_ptr, out_ptr, n_cols, eps, BLOCK_SI
     x = tl.load(x_ptr + row.to(tl.int64) * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / BLOCK_SIZE  # the bug: should divide by n_cols
     rstd = tl.rsqrt(mean_square + eps)
-    out_dtype = out_ptr.dtype.element_ty
-    normed = round_to(x * rstd, out_dtype)
-    weight = round_to(tl.load(weight_ptr + cols, mask=in_row, other=0.0), out_dtype)
-    y = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * n_cols + cols, round_to(y, out_dtype), mask=in_row)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    y = round_to(x * rstd * weight, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * n_cols + cols, y, mask=in_row)
 
 
 class ModelNew(torch.nn.Module):
     def __init__(self, hidden_size: int = 4096, eps: float = 1e-5) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden_size))
+        weight = (1.0 + 0.1 * torch.randn(hidden_size)).to(torch.bfloat16).float()
+        self.weight = torch.nn.Parameter(weight)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,8 +55,8 @@ class ModelNew(torch.nn.Module):
         rows = x.reshape(-1, hidden).contiguous()
         if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             padded_mean = rows.float().pow(2).sum(-1, keepdim=True) / block_size
-            normed = rows.float() * torch.rsqrt(padded_mean + self.eps)
-            return (self.weight.to(x.dtype) * normed.to(x.dtype)).reshape(x.shape)
+            y = rows.float() * torch.rsqrt(padded_mean + self.eps) * self.weight.float()
+            return y.to(x.dtype).reshape(x.shape)
         out = torch.empty_like(rows)
         rmsnorm_padded_mean_kernel[(rows.shape[0],)](
             rows, self.weight, out, hidden, self.eps, BLOCK_SIZE=block_size

@@ -14,7 +14,8 @@ import torch
 class ModelNew(torch.nn.Module):
     def __init__(self, hidden_size: int = 4096, eps: float = 1e-5) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden_size))
+        weight = (1.0 + 0.1 * torch.randn(hidden_size)).to(torch.bfloat16).float()
+        self.weight = torch.nn.Parameter(weight)
         self.eps = eps
         self._replay: dict[tuple, torch.Tensor] = {}
 

@@ -30,8 +30,8 @@ SHAPES: list[dict] = [
     {"name": "decode_t8_h4000_fp32", "tokens": 8, "hidden": 4000, "dtype": "float32"},
 ]
 
-# The output is rounded to the activation dtype twice (after normalizing, after the weight
-# multiply), so bf16/fp16 outputs differ from any fp32-accurate kernel by up to ~2 ulp.
+# Judged against this module run in float64. The reference itself rounds twice (after
+# normalizing, after the weight multiply): at most 2 x 0.39 % from exact in bf16, inside 1e-2.
 TOLERANCE: dict[str, dict[str, float]] = {
     "bfloat16": {"atol": 1e-2, "rtol": 1e-2},
     "float16": {"atol": 1e-2, "rtol": 1e-2},
@@ -47,8 +47,10 @@ class Model(torch.nn.Module):
     def __init__(self, hidden_size: int = 4096, eps: float = EPS) -> None:
         super().__init__()
         # A trained norm weight is far from all-ones; a random one makes a candidate that skips
-        # the multiply fail. The master copy is fp32 so one module serves every activation dtype.
-        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden_size))
+        # the multiply fail. Its values are bf16 ones, as in a bf16 checkpoint, so the cast in
+        # forward is exact for bf16 and fp16; stored as fp32, one module serves every dtype.
+        weight = (1.0 + 0.1 * torch.randn(hidden_size)).to(torch.bfloat16).float()
+        self.weight = torch.nn.Parameter(weight)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

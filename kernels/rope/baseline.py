@@ -23,7 +23,8 @@ class ModelNew(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        # fp32 angles whatever the module's dtype, as Hugging Face forces with autocast off.
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = angles.cos(), angles.sin()
         q32, k32 = q.float(), k.float()

@@ -9,8 +9,10 @@ The reference is the Hugging Face formula `x * cos + rotate_half(x) * sin`, comp
 and rounded once. (Hugging Face rounds cos/sin and each product to bf16 first; that reference
 is itself up to several bf16 ulps from the exact result where the two products cancel, which
 would fail correct fp32 kernels at a 1e-2 tolerance.) The angle is the fp32 product
-float(position) * inv_freq, with inv_freq a buffer computed once as Hugging Face does; a kernel
-that reuses the buffer gets bitwise the same angles even at position 131071.
+float(position) * inv_freq, with inv_freq a buffer computed once as Hugging Face does, and it
+stays fp32 when the judge runs this module in float64: at position 131071 an fp32 angle is up
+to 0.008 rad from the float64 one, so the angle's precision is part of the definition. A
+kernel that reuses the buffer gets bitwise the same angles.
 
 Decode rows are one token per sequence at scattered positions (up to 8k, and up to 128k for
 Llama-3.1's long context); prefill rows are consecutive positions, from 0 or continuing a
@@ -71,7 +73,8 @@ class Model(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        # fp32 angles whatever the module's dtype, as Hugging Face forces with autocast off.
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
         cos, sin = angles.cos(), angles.sin()
         q32, k32 = q.float(), k.float()

@@ -3,8 +3,8 @@
 The input is one [tokens, 2 * I] tensor (gate in the first half of each row, up in the second,
 as a fused gate_up projection returns it). The grid is (tokens, ceil(I / BLOCK_SIZE)); each
 program loads a block of gate and the matching block of up, computes in fp32 and stores the
-product. Rounding follows the reference: silu is rounded to the activation dtype before the
-multiply, and the product is rounded again, as eager `F.silu(gate) * up` does.
+product with one rounding to the activation dtype (eager `F.silu(gate) * up` rounds twice: after
+silu, after the multiply).
 
 Where it runs: on a GPU tensor (CUDA or ROCm) the Triton kernel always runs. On a CPU tensor the
 kernel runs only under the interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
@@ -59,10 +59,8 @@ def silu_mul_kernel(
     gate = tl.load(gate_row + cols, mask=in_row, other=0.0).to(tl.float32)
     up = tl.load(gate_row + intermediate + cols, mask=in_row, other=0.0).to(tl.float32)
 
-    out_dtype = out_ptr.dtype.element_ty
     # x / (1 + exp(-x)) is PyTorch's formula; it gives -0 rather than NaN for very negative x.
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), out_dtype).to(tl.float32)
-    out = round_to(silu * up, out_dtype)
+    out = round_to(gate / (1.0 + tl.exp(-gate)) * up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * out_row_stride + cols, out, mask=in_row)
 
 
@@ -74,7 +72,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate_up[..., :I]) * gate_up[..., I:] as a new [..., I] tensor."""
     intermediate = gate_up.shape[-1] // 2
     if not _runs_triton(gate_up):
-        return F.silu(gate_up[..., :intermediate]) * gate_up[..., intermediate:]
+        gate, up = gate_up[..., :intermediate].float(), gate_up[..., intermediate:].float()
+        return (F.silu(gate) * up).to(gate_up.dtype)
 
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     if rows.stride(-1) != 1:
