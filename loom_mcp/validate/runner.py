@@ -11,6 +11,7 @@ The static checks read the candidate's source without running it.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sys
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from loom_mcp.sandbox import JobResult, JobSpec, run_job
 from loom_mcp.validate.static_checks import check_candidate_source
 
 Progress = Callable[[str], Awaitable[None]]
+log = logging.getLogger("loom_mcp.validate")
 
 
 def worker_argv(module: str) -> list[str]:
@@ -76,6 +78,8 @@ async def validate_candidate(
             raise LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0])
         raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare inputs: {detail}")
     planned: list[dict] = prep.result["cases"]
+    log.info("validation %s: prepare %.2f s (worker %.2f s)", validation_id, prep.wall_s,
+             prep.result.get("seconds") or 0.0)
 
     await say(f"running the candidate on {len(planned)} cases")
     cand = await run_job(JobSpec(
@@ -85,6 +89,8 @@ async def validate_candidate(
                  "outputs_file": str(outputs_file), "device": device},
     ), on_progress=progress)
     cand_result = cand.result if cand.ok and cand.result else None
+    log.info("validation %s: candidate %.2f s (worker %.2f s)", validation_id, cand.wall_s,
+             (cand_result or {}).get("seconds") or 0.0)
     if cand_result is None:
         findings.append(Finding(check="validation.crash", severity="error",
                                 message=_job_failure("candidate", cand)))
@@ -106,6 +112,8 @@ async def validate_candidate(
         detail = (comp.result or {}).get("error") or _job_failure("reference", comp)
         raise LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
 
+    log.info("validation %s: compare %.2f s (worker %.2f s)", validation_id, comp.wall_s,
+             comp.result.get("seconds") or 0.0)
     cases = build_cases(planned, cand_result["cases"], comp.result["cases"], findings)
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
