@@ -314,6 +314,19 @@ TASKS += [
     ),
 ]
 
+TASKS += [
+    TaskCase(
+        "q4k_gemv",
+        small_shapes=[
+            {"name": "b1_32x256", "batch": 1, "n": 32, "k": 256},
+            {"name": "tail_b3_20x512", "batch": 3, "n": 20, "k": 512},  # 20 rows: a masked block
+            {"name": "b2_16x768_fp16", "batch": 2, "n": 16, "k": 768, "dtype": "float16"},
+            # Nine rows take two programs along the batch axis, the second one mostly masked.
+            {"name": "b9_8x256", "batch": 9, "n": 8, "k": 256},
+        ],
+    ),
+]
+
 TASK_BY_NAME = {case.name: case for case in TASKS}
 
 
