@@ -262,3 +262,14 @@ def test_cross_format_device_names(analyses):
     assert analyses["mi300_bert_small.json.gz"][0].device == "AMD Instinct MI300X VF"
     assert analyses["mi210_gpu_only.json.gz"][0].device == "AMD Instinct MI210"
     assert analyses["h200_mlp_cudagraph_bf16.json.gz"][0].device == "NVIDIA H200"
+
+
+def test_summary_budget_holds_with_a_diff_and_a_large_top_k():
+    s = analyze_trace_file(
+        FIXTURES / "mi300_qwen1.5_0.5b_chat.json.gz",
+        baseline=FIXTURES / "h100_qwen1.5_0.5b_chat.json.gz",
+        top_k=50,
+    )
+    assert len(s.model_dump_json().encode()) <= 4096
+    assert s.top_ops and s.findings and s.diff is not None and s.diff.ops
+    assert s.notes[-1].startswith("summary trimmed")

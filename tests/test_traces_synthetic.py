@@ -454,3 +454,24 @@ def test_missing_trace_is_not_found(tmp_path):
     with pytest.raises(LoomError) as e:
         analyze_trace_file(tmp_path / "nope.json")
     assert e.value.code == ErrorCode.NOT_FOUND
+
+
+def test_captured_launches_that_never_ran_are_flagged(tmp_path):
+    """A trace of a graph-capture phase: many launch calls, almost no GPU work. The missing
+    work must be called out, not silently reported as an idle GPU."""
+    import json
+
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamBeginCapture", "pid": 1, "tid": 1,
+               "ts": 0, "dur": 1, "args": {"correlation": 1}}]  # fmt: skip
+    for i in range(200):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                       "ts": 2 + i, "dur": 0.5, "args": {"correlation": 10 + i}})  # fmt: skip
+    events.append(_kernel(0, 500, 3) | {"args": {"device": 0, "stream": 7, "correlation": 10}})
+    p = tmp_path / "capture.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    s = analyze_trace_file(p)
+    assert s.linking.launches_without_gpu == 199 and s.linking.partial
+    assert any(
+        "199 kernel-launch calls have no GPU activity" in n and "capture" in n
+        for n in s.linking.notes
+    )

@@ -17,7 +17,7 @@ from typing import IO, Any
 import orjson
 
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.traces.jsonstream import JsonEventStream
+from loom_mcp.traces.jsonstream import JsonEventStream, open_bytes
 from loom_mcp.traces.models import ScrubReport
 from loom_mcp.traces.readers import detect_format
 from loom_mcp.traces.secrets import (
@@ -103,8 +103,7 @@ def _scrub_kineto(src: Path, dst: Path) -> ScrubReport:
 
 
 def _scrub_rocprofv3(src: Path, dst: Path) -> ScrubReport:
-    opener = gzip.open if src.read_bytes()[:2] == b"\x1f\x8b" else open
-    with opener(src, "rb") as f:
+    with open_bytes(src) as f:
         doc = orjson.loads(f.read())
     removed: list[str] = []
     removed_keys = 0

@@ -214,7 +214,9 @@ def fit_budget(s: TraceAnalysis, budget: int = SUMMARY_BUDGET_BYTES) -> TraceAna
     def size() -> int:
         return len(s.model_dump_json())
 
-    trimmed = False
+    if size() <= budget:
+        return s
+    s.notes.append("summary trimmed to 4 KB; full tables are in the artifacts")
     steps = [
         lambda: len(s.top_ops) > 5 and s.top_ops.pop() is not None,
         lambda: len(s.findings) > 4 and s.findings.pop() is not None,
@@ -222,7 +224,7 @@ def fit_budget(s: TraceAnalysis, budget: int = SUMMARY_BUDGET_BYTES) -> TraceAna
         lambda: len(s.categories) > 6 and s.categories.pop() is not None,
         lambda: len(s.top_ops) > 3 and s.top_ops.pop() is not None,
         lambda: len(s.linking.notes) > 1 and s.linking.notes.pop() is not None,
-        lambda: len(s.notes) > 1 and s.notes.pop() is not None,
+        lambda: len(s.notes) > 1 and s.notes.pop(0) is not None,  # keep the trim note
         lambda: len(s.findings) > 2 and s.findings.pop() is not None,
         lambda: (
             s.diff is not None
@@ -230,12 +232,14 @@ def fit_budget(s: TraceAnalysis, budget: int = SUMMARY_BUDGET_BYTES) -> TraceAna
             and s.diff.categories.pop() is not None
         ),
         lambda: len(s.top_ops) > 1 and s.top_ops.pop() is not None,
+        lambda: s.diff is not None and len(s.diff.ops) > 2 and s.diff.ops.pop() is not None,
+        lambda: len(s.findings) > 1 and s.findings.pop() is not None,
+        lambda: len(s.categories) > 3 and s.categories.pop() is not None,
+        lambda: len(s.linking.notes) > 0 and s.linking.notes.pop() is not None,
     ]
     for step in steps:
         while size() > budget and step():
-            trimmed = True
-    if trimmed:
-        s.notes.append("summary trimmed to 4 KB; full tables are in the artifacts")
-        while size() > budget and len(s.notes) > 1:
-            s.notes.pop(0)
+            pass
+    while size() > budget and len(s.notes) > 1:
+        s.notes.pop(0)  # the trim note itself stays last
     return s

@@ -126,7 +126,8 @@ def read_kineto(path: Path) -> TraceData:
         if isinstance(d, dict) and "name" in d:
             td.devices[_int(d.get("id"), len(td.devices))] = str(d["name"])
     for k, v in top.items():
-        if k not in KINETO_KEYS:
+        # Unknown numbers and booleans are new profiler flags, not metadata worth a warning.
+        if k not in KINETO_KEYS and not isinstance(v, (bool, int, float)):
             td.metadata_blocks[k] = inspect_block(v)
     if stream.bare_array:
         td.notes.append("bare JSON array trace: no device properties")

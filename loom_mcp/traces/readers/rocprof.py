@@ -7,7 +7,6 @@ a trace collected with kernel tracing only has none, which the analysis flags.
 
 from __future__ import annotations
 
-import gzip
 import struct
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,7 @@ def _handle(v: Any) -> int:
 def _sections(path: Path) -> list[dict[str, Any]]:
     """One dict per profiled process, with the members this reader uses."""
     if _uncompressed_size(path) <= WHOLE_LOAD_LIMIT:
-        opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
-        with opener(path, "rb") as f:
+        with open_bytes(path) as f:
             doc = orjson.loads(f.read())
         tools = doc.get(ROOT) or []
         return [t for t in tools if isinstance(t, dict)]
