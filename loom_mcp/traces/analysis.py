@@ -23,6 +23,7 @@ from loom_mcp.traces.findings import (
     elementwise_chains,
     event_label,
     find,
+    host_call_during,
     memcpy_labels,
 )
 from loom_mcp.traces.linking import LinkStats, link
@@ -122,6 +123,8 @@ def analyze(path: Path) -> FullAnalysis:
         dev = td.np("g_dev")
         kmask = (dev == primary.device) & (td.np("g_kind") == KIND_KERNEL)
         chains = elementwise_chains(td, links, cat, primary.device, event_label(td, links))
+        stall_start = primary.start_us + primary.largest_stall_at_us
+        stall_call = host_call_during(td, stall_start, stall_start + primary.largest_stall_us)
         findings = find(
             primary,
             groups,
@@ -131,6 +134,7 @@ def analyze(path: Path) -> FullAnalysis:
             peak is not None,
             memcpy_labels(groups),
             has_launches=links.stats.with_launch > 0,
+            stall_call=stall_call,
         )
     return FullAnalysis(
         trace=path.name,

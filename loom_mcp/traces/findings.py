@@ -102,6 +102,22 @@ def elementwise_chains(
     return Chains(count, saving, kernels, top, patterns[top])
 
 
+def host_call_during(td: TraceData, start: float, end: float) -> tuple[str, float] | None:
+    """The host API call that covered most of [start, end) (a sync, a blocking copy...), with
+    the time it covered; None when no recorded call overlaps the window."""
+    if len(td.l_ts) == 0 or end <= start:
+        return None
+    ls = td.np("l_ts")
+    le = ls + td.np("l_dur")
+    overlap = np.clip(np.minimum(le, end) - np.maximum(ls, start), 0.0, None)
+    hit = overlap > 0
+    if not hit.any():
+        return None
+    per_name = np.bincount(td.np("l_name")[hit], weights=overlap[hit])
+    top = int(np.argmax(per_name))
+    return td.names[top], float(per_name[top])
+
+
 def event_label(td: TraceData, links: Links) -> Callable[[int], str]:
     """GPU event index -> the launching op's name, else the short kernel name."""
     o_sig = td.np("o_sig")
@@ -128,6 +144,7 @@ def find(
     peak_known: bool,
     memcpy_names: list[str],
     has_launches: bool = True,
+    stall_call: tuple[str, float] | None = None,
 ) -> list[Finding]:
     total = tl.total_us
     out: list[Finding] = []
@@ -167,12 +184,16 @@ def find(
                 "benchmark",
             )
     if tl.host_stall_us > 0:
+        if stall_call and stall_call[1] >= 0.2 * tl.largest_stall_us:
+            during = f"mostly in {stall_call[0]} ({_ms(stall_call[1])})"
+        else:
+            during = "no runtime call in flight: Python, scheduling or data loading"
         add(
             "host_stall",
             f"The GPU sat idle {_ms(tl.host_stall_us)} in {_n(tl.host_stalls, 'gap')} over "
-            f"{LAUNCH_GAP_MAX_US / 1000:.0f} ms while the host did other work (largest "
-            f"{_ms(tl.largest_stall_us)} at +{_ms(tl.largest_stall_at_us)}): scheduling, sync or "
-            "data loading. Profile with CPU stacks.",
+            f"{LAUNCH_GAP_MAX_US / 1000:.0f} ms waiting for the host; the largest, "
+            f"{_ms(tl.largest_stall_us)} at +{_ms(tl.largest_stall_at_us)}, was spent {during}. "
+            "Profile with CPU stacks.",
             tl.host_stall_us,
             "profile",
         )
