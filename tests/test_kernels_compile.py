@@ -26,6 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
+from triton.backends import backends as triton_backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
@@ -131,6 +132,9 @@ def ptxas_report(ptx: str, tmp_path: Path) -> tuple[int, int]:
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("path", TRITON_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_kernels_compile_at_task_shapes(path, target, monkeypatch, tmp_path):
+    backend = {"sm_90": "nvidia", "gfx942": "amd"}[target]
+    if backend not in triton_backends:
+        pytest.skip(f"this triton build has no {backend} backend")
     module, launches = record_launches(path, monkeypatch)
     assert launches, "the Triton path launched no kernel"
     kernels = jit_kernels(module)

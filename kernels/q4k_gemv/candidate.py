@@ -131,8 +131,10 @@ def _dequantize_q4_k(packed: torch.Tensor) -> torch.Tensor:
     s = blocks[:, 4:16]
     sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=-1)
     m = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=-1)
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=packed.device).reshape(1, 1, 2, 1)
-    codes = ((blocks[:, 16:].reshape(-1, 4, 1, 32) >> shifts) & 0x0F).reshape(-1, 8, 32).float()
+    # Chunk c's low nibbles are sub-block 2c, its high nibbles 2c+1. (No tensor literal here:
+    # copying one to the GPU inside forward would break CUDA-graph capture.)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    codes = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32).float()
     weights = (d * sc.float())[:, :, None] * codes - (dmin * m.float())[:, :, None]
     return weights.reshape(*packed.shape[:-1], -1)
 

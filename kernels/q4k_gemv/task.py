@@ -106,3 +106,15 @@ def bytes_moved(
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     weight = n * (k // QK_K) * BLOCK_BYTES  # 0.5625 bytes per weight
     return weight + batch * k * element + batch * n * element
+
+
+if __name__ == "__main__":
+    x, weight_q4k = get_inputs(batch=2, n=64, k=512)
+    y = Model()(x, weight_q4k)
+    print(
+        f"reference: x {tuple(x.shape)} W {tuple(weight_q4k.shape)} uint8 -> {tuple(y.shape)} {y.dtype}"
+    )
+    for shape in SHAPES:
+        print(
+            f"{shape['name']:>26}: {flops(**shape) / 1e6:9.2f} MFLOP {bytes_moved(**shape) / 1e6:9.2f} MB"
+        )

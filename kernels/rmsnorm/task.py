@@ -78,3 +78,13 @@ def bytes_moved(tokens: int = 8, hidden: int = 4096, dtype: str = "bfloat16", **
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     # x read once, y written once, the fp32 weight read once
     return 2.0 * tokens * hidden * element + 4.0 * hidden
+
+
+if __name__ == "__main__":
+    x = get_inputs(tokens=3, hidden=320)[0]
+    y = Model(320)(x)
+    print(f"reference: {tuple(x.shape)} {x.dtype} -> {tuple(y.shape)} {y.dtype}")
+    for shape in SHAPES:
+        print(
+            f"{shape['name']:>26}: {flops(**shape) / 1e6:9.2f} MFLOP {bytes_moved(**shape) / 1e6:9.2f} MB"
+        )

@@ -125,3 +125,15 @@ def bytes_moved(
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     heads = 2.0 * tokens * (q_heads + kv_heads) * head_dim * element  # q, k read and written
     return heads + 8.0 * tokens + 4.0 * head_dim / 2  # positions (int64), inv_freq (fp32)
+
+
+if __name__ == "__main__":
+    positions, q, k = get_inputs(tokens=3, context=131072, q_heads=4, kv_heads=2)
+    q_rotated, k_rotated = Model()(positions, q, k)
+    print(
+        f"reference: positions {positions.tolist()} q {tuple(q.shape)} -> {tuple(q_rotated.shape)}"
+    )
+    for shape in SHAPES:
+        print(
+            f"{shape['name']:>26}: {flops(**shape) / 1e6:9.2f} MFLOP {bytes_moved(**shape) / 1e6:9.2f} MB"
+        )

@@ -71,3 +71,13 @@ def bytes_moved(
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     # gate and up read once, the product written once
     return 3.0 * tokens * intermediate * element
+
+
+if __name__ == "__main__":
+    gate_up = get_inputs(tokens=3, intermediate=300)[0]
+    out = Model()(gate_up)
+    print(f"reference: {tuple(gate_up.shape)} {gate_up.dtype} -> {tuple(out.shape)} {out.dtype}")
+    for shape in SHAPES:
+        print(
+            f"{shape['name']:>26}: {flops(**shape) / 1e6:9.2f} MFLOP {bytes_moved(**shape) / 1e6:9.2f} MB"
+        )

@@ -64,3 +64,13 @@ def flops(rows: int = 8, cols: int = 128256, **_: object) -> float:
 def bytes_moved(rows: int = 8, cols: int = 128256, dtype: str = "bfloat16", **_: object) -> float:
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     return 2.0 * rows * cols * element
+
+
+if __name__ == "__main__":
+    x = get_inputs(rows=3, cols=1000)[0]
+    out = Model()(x)
+    print(f"reference: {tuple(x.shape)} {x.dtype} -> {tuple(out.shape)} {out.dtype}")
+    for shape in SHAPES:
+        print(
+            f"{shape['name']:>26}: {flops(**shape) / 1e6:9.2f} MFLOP {bytes_moved(**shape) / 1e6:9.2f} MB"
+        )
