@@ -203,19 +203,20 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         pair = 0
         record = samples[name]
         while True:
-            set_index = pair % meta["sets"]
             probe = [secrets.randbelow(1 << 30) for _ in range(16)]
             salt = secrets.randbelow(1 << 30)
             before = clock_sampler() if clock_sampler else None
             order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
             got = {}
             for role in order:
-                got[role] = await arms[role].ask(
-                    {"op": "sample", "set": set_index, "probe": probe, "salt": salt}, timeout_s)
+                got[role] = await arms[role].ask({"op": "batch", "probe": probe, "salt": salt}, timeout_s)
             after = clock_sampler() if clock_sampler else None
-            record["a"].append(got["baseline"]["t"])
-            record["b"].append(got["candidate"]["t"])
-            record["throttled"].append(bool((before or {}).get("throttled") or (after or {}).get("throttled")))
+            throttled = bool((before or {}).get("throttled") or (after or {}).get("throttled"))
+            base, cand = got["baseline"], got["candidate"]
+            # Element i of both arms timed the same input set with the same content: a pair.
+            record["a"].extend(base["times"])
+            record["b"].extend(cand["times"])
+            record["throttled"].extend([throttled] * len(base["times"]))
             for role in ("baseline", "candidate"):
                 if got[role].get("tampered") and role not in tamper_reported:
                     tamper_reported.add(role)
@@ -223,7 +224,9 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                         check="benchmark.timer_tampering", severity="error",
                         message=f"the {role} replaced harness functions while timed: "
                                 f"{', '.join(got[role]['tampered'])}"))
-            if not sums_agree(got["candidate"]["sums"], got["baseline"]["sums"]) and not mismatch_reported:
+            agree = cand["sums"] is not None and base["sums"] is not None and all(
+                sums_agree(c, b) for c, b in zip(cand["sums"], base["sums"], strict=True))
+            if not agree and not mismatch_reported:
                 mismatch_reported = True
                 findings.append(Finding(
                     check="benchmark.output_mismatch", severity="error",

@@ -1,10 +1,11 @@
 """Worker: one arm (baseline or candidate) of an interleaved A/B benchmark, kept warm.
 
-The server's orchestrator connects both arms over a Unix socket and asks for one sample at a
-time, alternating arms, so drift in clocks or temperature lands on both equally. Each sample:
-rotate to the next input set, flush the L2 (a buffer larger than it), hold the stream with a
-short sleep kernel so launch latency stays outside the events, time with device events, then a
-device-wide sync. Short kernels replay from a CUDA/HIP graph. On CPU the timer is a wall clock.
+The server's orchestrator connects both arms over a Unix socket and asks for one batch at a
+time, alternating arms, so drift in clocks or temperature lands on both equally. A batch:
+perturb every input set, one warm-up call, then each other set once, back to back; before each
+timed call the L2 is flushed (a buffer larger than it) and a short sleep kernel holds the stream
+so launch latency stays outside the device events; one device-wide sync at the end. Short
+kernels replay from a CUDA/HIP graph. On CPU the timer is a wall clock.
 
 Each reply carries a checksum of the output at positions the orchestrator chose secretly, so a
 candidate that computes honestly only when validated is caught while being timed.
@@ -70,8 +71,10 @@ class Arm:
                 model.load_state_dict(state)
             model = model.to(self.device).eval()
         inputs = [to_device(s["inputs"], self.device) for s in sets]
-        self.current = {"model": model, "inputs": inputs, "graphs": None, "outputs": None,
-                        "shape": shape_index}
+        # Pristine device copies: the per-batch perturbation starts from them without a host copy.
+        pristine = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in inputs]
+        self.current = {"model": model, "inputs": inputs, "pristine": pristine, "graphs": None,
+                        "outputs": None, "shape": shape_index}
         with torch.no_grad():
             for _ in range(3):  # compile, autotune and allocate outside the timed region
                 for x in inputs:
@@ -109,68 +112,84 @@ class Arm:
         if self.flush_buffer is not None:
             self.flush_buffer.zero_()
 
+    def _launch(self, set_index: int):
+        if self.current.get("graphs"):
+            self.current["graphs"][set_index].replay()
+            return self.current["outputs"][set_index]
+        with torch.no_grad():
+            return as_output_list(self.current["model"](*self.current["inputs"][set_index]))
+
     def _time_eager(self, set_index: int) -> float:
-        model, x = self.current["model"], self.current["inputs"][set_index]
+        """One call, timed alone (used for the setup estimate)."""
         self._flush()
         if self.gpu:
             start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-            torch.cuda._sleep(20_000)  # keeps the GPU busy while the launches below queue up
+            torch.cuda._sleep(20_000)
             start.record()
-            with torch.no_grad():
-                self.current["last"] = as_output_list(model(*x))
+            self._launch(set_index)
             end.record()
             _cuda_synchronize()
             return _elapsed_time(start, end) / 1e3
         t0 = _perf_counter()
-        with torch.no_grad():
-            self.current["last"] = as_output_list(model(*x))
+        self._launch(set_index)
         return _perf_counter() - t0
 
-    def _time_graph(self, set_index: int) -> float:
-        graph = self.current["graphs"][set_index]
-        self._flush()
-        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-        torch.cuda._sleep(20_000)
-        start.record()
-        graph.replay()
-        end.record()
-        _cuda_synchronize()
-        self.current["last"] = self.current["outputs"][set_index]
-        return _elapsed_time(start, end) / 1e3
-
-    def _perturb(self, set_index: int, salt: int) -> None:
-        """Give every sample inputs never seen before, identically in both arms: each floating
+    def _perturb(self, salt: int) -> None:
+        """Give every input set content never seen before, identically in both arms: each floating
         element times U(0.9, 1.1) drawn from the salt. A result cache keyed by pointer or by
         content then returns stale values, which the output checksums catch. In place, so
         captured graphs see it. Outside the timed region."""
         generator = torch.Generator(device=self.device).manual_seed(salt)
-        base = self.shapes[self.current["shape"]]["sets"][set_index]["inputs"]
-        for live, original in zip(self.current["inputs"][set_index], base):
-            if isinstance(live, torch.Tensor) and live.is_floating_point():
-                noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
-                noise.uniform_(0.9, 1.1, generator=generator)
-                live.copy_(original.to(self.device, torch.float32) * noise)
+        for live_set, pristine_set in zip(self.current["inputs"], self.current["pristine"]):
+            for live, original in zip(live_set, pristine_set):
+                if isinstance(live, torch.Tensor) and live.is_floating_point():
+                    noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
+                    noise.uniform_(0.9, 1.1, generator=generator)
+                    live.copy_(original.float() * noise)
 
-    def sample(self, set_index: int, probe: list[int], salt: int) -> dict:
+    def batch(self, probe: list[int], salt: int) -> dict:
+        """One warm-up call on set 0, then each other set once, timed back to back.
+
+        Timing right after a warm-up call, with no host round trip between, measures the device in
+        its steady state: a GPU left idle between samples (sockets, the other arm) drops its
+        clocks and the next kernel would be timed slow. Every timed set was perturbed since its
+        last use, so no call in the batch sees inputs it has seen before."""
         if self.perturb:
-            self._perturb(set_index, salt)
+            self._perturb(salt)
         synchronize(self.device)
-        if self.current.get("graphs"):
-            seconds = self._time_graph(set_index)
+        sets = len(self.current["inputs"])
+        self._launch(0)
+        times, outputs = [], []
+        if self.gpu:
+            events = []
+            for i in range(1, sets):
+                self._flush()
+                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+                torch.cuda._sleep(20_000)  # keeps the GPU busy while the launches below queue up
+                start.record()
+                outputs.append(self._launch(i))
+                end.record()
+                events.append((start, end))
+            _cuda_synchronize()
+            times = [_elapsed_time(a, b) / 1e3 for a, b in events]
         else:
-            seconds = self._time_eager(set_index)
+            for i in range(1, sets):
+                self._flush()
+                t0 = _perf_counter()
+                outputs.append(self._launch(i))
+                times.append(_perf_counter() - t0)
         synchronize(self.device)
         sums = []
-        for out in self.current["last"]:
-            if type(out) is not torch.Tensor:
-                return {"t": seconds, "sums": None, "error": "output is not a plain torch.Tensor"}
-            flat = out.detach().reshape(-1)
-            idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
-            sums.append(float(flat[idx].double().sum()) if flat.numel() else 0.0)
-        changed = tampered()
-        if changed:
-            return {"t": seconds, "sums": sums, "error": None, "tampered": changed}
-        return {"t": seconds, "sums": sums, "error": None, "tampered": []}
+        for out_list in outputs:
+            one = []
+            for out in out_list:
+                if type(out) is not torch.Tensor:
+                    return {"times": times, "sums": None, "error": "output is not a plain torch.Tensor"}
+                flat = out.detach().reshape(-1)
+                idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
+                one.append(float(flat[idx].double().sum()) if flat.numel() else 0.0)
+            sums.append(one)
+        return {"times": times, "sums": sums, "error": None, "tampered": tampered()}
 
     def kernels(self) -> dict:
         """Names of the device kernels one forward launches: the proof that they ran."""
@@ -209,9 +228,9 @@ def main() -> None:
         try:
             if op == "setup":
                 reply(arm.setup(command["shape"]))
-            elif op == "sample":
+            elif op == "batch":
                 samples += 1
-                reply(arm.sample(command["set"], command["probe"], command["salt"]))
+                reply(arm.batch(command["probe"], command["salt"]))
             elif op == "kernels":
                 reply(arm.kernels())
             elif op == "quit":
