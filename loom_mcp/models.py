@@ -227,3 +227,25 @@ class BenchmarkResult(_Model):
     device_state: dict[str, float | str | None] | None = None
     seconds: float
     next_step: str
+
+
+# ---------------------------------------------------------------- profile / analyze_trace
+
+
+class HeadlineOp(_Model):
+    name: str
+    us: float
+    pct: float
+
+
+class ProfileResult(_Model):
+    trace_id: str = Field(description="Pass to analyze_trace(trace=...)")
+    profiler: Literal["torch", "rocprofv3", "nsys"]
+    device: str | None
+    trace_bytes: int
+    scrubbed: list[str] = Field(description="Metadata blocks removed before storing (names only)")
+    gpu_busy_pct: float | None
+    total_us: float | None
+    top_ops: list[HeadlineOp]
+    seconds: float
+    next_step: str

@@ -31,9 +31,11 @@ from loom_mcp.models import (
     Budgets,
     CompileResult,
     DeviceInfoResult,
+    ProfileResult,
     RunValidationResult,
     StartCampaignResult,
 )
+from loom_mcp.profiling.analysis import AnalyzeTraceResult
 from loom_mcp.store import ArtifactStore, Ledger
 
 log = logging.getLogger("loom_mcp")
@@ -287,6 +289,98 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             return result
 
         return await run_recorded(services, "benchmark", arguments, body, campaign_id)
+
+    @server.tool(title="Profile", annotations=RECORDS)
+    async def profile(
+        ctx: Context,
+        profiler: Annotated[Literal["torch", "rocprofv3", "nsys"], Field(description="torch: a task/candidate or script in a worker; rocprofv3/nsys: wrap command")] = "torch",
+        task: Annotated[str | None, Field(description="Task file whose Model (or candidate's ModelNew) is profiled")] = None,
+        candidate: Annotated[str | None, Field(description="Profile this ModelNew instead of the task's Model")] = None,
+        shape: Annotated[str | None, Field(description="Task shape name; default the first")] = None,
+        script: Annotated[str | None, Field(description="torch only: a Python script run under the profiler instead of a task")] = None,
+        args: Annotated[list[str] | None, Field(max_length=64, description="Arguments for script")] = None,
+        command: Annotated[list[str] | None, Field(max_length=256, description="rocprofv3/nsys: the command to run, as argv")] = None,
+        warmup: Annotated[int, Field(ge=0, le=1000, description="Untraced calls first")] = 3,
+        active: Annotated[int, Field(ge=1, le=100, description="Traced calls")] = 5,
+        campaign_id: Annotated[str | None, Field(description="Attach the trace to a campaign")] = None,
+    ) -> ProfileResult:
+        """Run a workload under a profiler in the sandbox and store the trace (metadata and
+        environment blocks scrubbed) as an artifact. torch: the task's Model, a candidate's ModelNew,
+        or a Python script, with shapes recorded, `warmup` untraced and `active` traced calls; works on
+        CUDA, ROCm and CPU. rocprofv3 / nsys: wrap `command` ([TOOLCHAIN_MISSING] when absent).
+        Returns trace_id and a headline (GPU busy %, span, top ops); then call analyze_trace."""
+        arguments = {"profiler": profiler, "task": task, "candidate": candidate, "shape": shape,
+                     "script": script, "args": args, "command": command, "warmup": warmup,
+                     "active": active}
+
+        async def body(scope: CallScope) -> ProfileResult:
+            from loom_mcp import judge
+            from loom_mcp.profiling.runner import profile_workload
+
+            task_path = judge.check_file(config, task, "task") if task else None
+            cand_path = judge.check_file(config, candidate, "candidate") if candidate else None
+            script_path = judge.check_file(config, script, "script") if script else None
+            target = await judge.pick_target(config) if profiler == "torch" else None
+            device = target.torch_device if target else "auto"
+            lease_target = target or await judge.pick_target(config)
+            async with judge.Leased(config, lease_target, progress_of(ctx)) as held:
+                result = await profile_workload(
+                    ledger=services.ledger, artifacts=services.artifacts, jobs_dir=config.jobs_dir,
+                    cache_dir=config.cache_dir, profiler=profiler, task=task_path, candidate=cand_path,
+                    shape=shape, script=script_path, args=args or [], command=command, warmup=warmup,
+                    active=active, device=device, timeout_s=config.job_timeout_s,
+                    campaign_id=campaign_id, progress=progress_of(ctx))
+            scope.device_s = held.seconds
+            return result
+
+        return await run_recorded(services, "profile", arguments, body, campaign_id)
+
+    @server.tool(title="Analyze trace", annotations=READ_ONLY)
+    async def analyze_trace(
+        ctx: Context,
+        trace: Annotated[str, Field(description="A trace_id from profile, or the path of a trace: Kineto/PyTorch JSON (.json/.json.gz, CUDA or ROCm), rocprofv3 JSON, nsys SQLite")],
+        baseline: Annotated[str | None, Field(description="Another trace id or path: report what got faster or slower")] = None,
+        top_k: Annotated[int, Field(ge=1, le=50, description="Top ops to list")] = 10,
+    ) -> AnalyzeTraceResult:
+        """Where the time goes and what is the most to win: the GPU timeline (computation, exposed
+        communication and memcpy, short/long idle; parts sum to the span), kernels linked to the ops that
+        launched them (graph replays fanned out, partial linking flagged), categories (GEMM, attention,
+        norm, elementwise, ...), top ops with FLOPs/bytes from recorded shapes and % of the device
+        roofline, and findings ranked by Amdahl ceiling, each naming the next tool. With baseline: per
+        category and per op deltas. Cached by content hash; full tables and a PNG are behind
+        loom://traces/{analysis_id}/analysis. Metadata values are never echoed."""
+        arguments = {"trace": trace, "baseline": baseline, "top_k": top_k}
+
+        async def body(scope: CallScope) -> AnalyzeTraceResult:
+            from loom_mcp.profiling.analysis import analyze
+
+            await ctx.report_progress(0, total=1, message="analyzing trace")
+            result = await anyio.to_thread.run_sync(
+                analyze, config, services.ledger, services.artifacts, trace, baseline, top_k)
+            await ctx.report_progress(1, total=1, message="done")
+            return result
+
+        return await run_recorded(services, "analyze_trace", arguments, body)
+
+    @server.resource("loom://traces/{analysis_id}/analysis", name="trace_analysis",
+                     title="Full trace analysis (JSON tables)", mime_type="application/json")
+    def trace_analysis_resource(analysis_id: str) -> str:
+        from loom_mcp.profiling.analysis import analysis_file
+
+        try:
+            return analysis_file(config, analysis_id, "analysis.json").read_text()
+        except LoomError as exc:
+            raise ResourceNotFoundError(str(exc)) from exc
+
+    @server.resource("loom://traces/{analysis_id}/breakdown.png", name="trace_breakdown",
+                     title="Time breakdown plot", mime_type="image/png")
+    def trace_breakdown_resource(analysis_id: str) -> bytes:
+        from loom_mcp.profiling.analysis import analysis_file
+
+        try:
+            return analysis_file(config, analysis_id, "breakdown.png").read_bytes()
+        except LoomError as exc:
+            raise ResourceNotFoundError(str(exc)) from exc
 
     @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
                      mime_type="application/json")

@@ -73,6 +73,26 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX runs_kind ON runs(kind, created_at);
     """,
+    """
+    CREATE TABLE submissions (
+        id TEXT PRIMARY KEY,
+        campaign_id TEXT NOT NULL REFERENCES campaigns(id),
+        created_at REAL NOT NULL,
+        finished_at REAL,
+        status TEXT NOT NULL,            -- running | accept | reject | needs_review | interrupted | error
+        task TEXT NOT NULL,
+        task_sha TEXT NOT NULL,
+        candidate TEXT NOT NULL,
+        candidate_sha TEXT NOT NULL,
+        validation_id TEXT,
+        benchmark_id TEXT,
+        verdict_json TEXT,               -- the gate's Verdict
+        commit_sha TEXT,
+        worktree TEXT,
+        pid INTEGER NOT NULL
+    );
+    CREATE INDEX submissions_campaign ON submissions(campaign_id, created_at);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -255,7 +275,7 @@ class Ledger:
 def new_run_id(kind: str) -> str:
     import secrets
 
-    prefix = {"validation": "v", "benchmark": "b", "compile": "k", "trace_analysis": "a"}.get(kind, "r")
+    prefix = {"validation": "v", "benchmark": "b", "compile": "k", "trace": "t", "submission": "s"}.get(kind, "r")
     return f"{prefix}{time.strftime('%Y%m%d')}-{secrets.token_hex(4)}"
 
 

@@ -1,23 +1,28 @@
 """Trace analysis: readers (Kineto/PyTorch JSON, rocprofv3 JSON, nsys SQLite), timeline
 breakdown, kernel-to-op linking, categories, roofline, ranked findings and diffs."""
 
-from loom_mcp.traces.api import analyze_trace_file
-from loom_mcp.traces.cache import analyze_trace_cached, trace_content_hash
-from loom_mcp.traces.models import (
-    CategoryRow,
-    DiffRow,
-    DiffSummary,
-    Finding,
-    LinkingSummary,
-    MetadataNote,
-    OpRow,
-    Roofline,
-    ScrubReport,
-    TimelineSummary,
-    TraceAnalysis,
-)
-from loom_mcp.traces.scrub import scrub_trace
-from loom_mcp.traces.summary import ANALYSIS_VERSION
+import importlib
+from typing import Any
+
+# Attribute -> submodule. Loaded on first use so that importing the result models (which the MCP
+# server needs at start for its schemas) does not pull in numpy and the readers.
+_LAZY = {
+    "analyze_trace_file": "api",
+    "analyze_trace_cached": "cache",
+    "trace_content_hash": "cache",
+    "scrub_trace": "scrub",
+    "ANALYSIS_VERSION": "summary",
+    **{name: "models" for name in (
+        "CategoryRow", "DiffRow", "DiffSummary", "Finding", "LinkingSummary", "MetadataNote",
+        "OpRow", "Roofline", "ScrubReport", "TimelineSummary", "TraceAnalysis")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"loom_mcp.traces.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'loom_mcp.traces' has no attribute {name!r}")
+
 
 __all__ = [
     "ANALYSIS_VERSION",

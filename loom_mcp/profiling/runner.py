@@ -1,0 +1,156 @@
+"""profile: run a workload under a profiler in the sandbox, scrub and store the trace, headline it.
+
+torch.profiler runs inside a worker (a task's Model or a candidate, or a Python script);
+rocprofv3 and nsys wrap an arbitrary command when they are installed. Stored traces have their
+environment/metadata blocks removed first (public traces have leaked tokens that way).
+"""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Literal
+
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.models import HeadlineOp, ProfileResult
+from loom_mcp.sandbox import JobSpec, run_job
+from loom_mcp.store import ArtifactStore, Ledger, new_run_id
+from loom_mcp.traces import analyze_trace_cached, scrub_trace
+
+Progress = Callable[[str], Awaitable[None]]
+Profiler = Literal["torch", "rocprofv3", "nsys"]
+
+
+def _failure(job) -> str:
+    if job.timed_out:
+        return f"timed out after {job.wall_s:.0f} s"
+    tail = " | ".join(job.stderr_tail.strip().splitlines()[-6:])
+    return f"exited with {job.signal or job.returncode}: {tail}"
+
+
+async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, warmup, active,
+                       device, timeout_s, progress) -> Path:
+    trace = job_dir / "trace.json"
+    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    job = await run_job(JobSpec(
+        argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"], job_dir=job_dir, env=env,
+        timeout_s=timeout_s,
+        request={"trace_file": str(trace), "task": task, "candidate": candidate, "shape": shape,
+                 "script": script, "args": args, "warmup": warmup, "active": active, "device": device},
+    ), on_progress=progress)
+    report = job.result if job.ok and job.result else None
+    if report is None:
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"the profiled workload {_failure(job)}")
+    if report["error"]:
+        code = ErrorCode.BAD_INPUT if "unknown shape" in report["error"] else ErrorCode.WORKER_CRASHED
+        raise LoomError(code, "the profiled workload failed: " + report["error"])
+    return trace
+
+
+async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeout_s, progress) -> Path:
+    tool = shutil.which(profiler)
+    if tool is None:
+        raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
+                        f"{profiler} is not on PATH here; use profiler='torch' or install "
+                        f"{'ROCm (rocprofiler-sdk)' if profiler == 'rocprofv3' else 'Nsight Systems'}")
+    out = job_dir / "profile"
+    if profiler == "rocprofv3":
+        argv = [tool, "--kernel-trace", "--memory-copy-trace", "--output-format", "json",
+                "-d", str(out), "-o", "trace", "--", *command]
+    else:
+        argv = [tool, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "--export=sqlite",
+                "-o", str(out / "trace"), *command]
+    out.mkdir(parents=True, exist_ok=True)
+    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
+    if not job.ok:
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {_failure(job)}")
+    pattern = "*.json" if profiler == "rocprofv3" else "*.sqlite"
+    found = sorted(out.rglob(pattern), key=lambda p: p.stat().st_size, reverse=True)
+    if not found:
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} wrote no {pattern} output under {out}")
+    return found[0]
+
+
+async def profile_workload(
+    *, ledger: Ledger, artifacts: ArtifactStore, jobs_dir: Path, cache_dir: Path,
+    profiler: Profiler, task: Path | None, candidate: Path | None, shape: str | None,
+    script: Path | None, args: list[str], command: list[str] | None, warmup: int, active: int,
+    device: str, timeout_s: float, campaign_id: str | None, progress: Progress | None,
+) -> ProfileResult:
+    started = time.monotonic()
+    trace_id = new_run_id("trace")
+    job_dir = jobs_dir / trace_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if profiler == "torch":
+        if task is None and script is None:
+            raise LoomError(ErrorCode.BAD_INPUT, "profiler='torch' needs task= (optionally candidate=) or script=")
+        raw = await _torch_trace(job_dir, task=str(task) if task else None,
+                                 candidate=str(candidate) if candidate else None, shape=shape,
+                                 script=str(script) if script else None, args=args, warmup=warmup,
+                                 active=active, device=device, timeout_s=timeout_s, progress=progress)
+    else:
+        if not command:
+            raise LoomError(ErrorCode.BAD_INPUT, f"profiler='{profiler}' needs command=[...] to run")
+        raw = await _vendor_trace(job_dir, profiler, command, timeout_s, progress)
+    if progress:
+        await progress("scrubbing and storing the trace")
+    scrubbed = raw.with_name("scrubbed" + raw.suffix)
+    report = scrub_trace(raw, scrubbed)
+    data = scrubbed.read_bytes()
+    if raw.suffix == ".json":
+        data = gzip.compress(data, compresslevel=6)
+    sha = artifacts.put_bytes(data, kind=f"trace-{profiler}",
+                              name=f"{trace_id}{raw.suffix}{'.gz' if raw.suffix == '.json' else ''}")
+    analysis = analyze_trace_cached(artifact_path_with_suffix(artifacts, sha, raw.suffix), top_k=5,
+                                    cache_root=cache_dir / "traces")
+    tl = analysis.timeline
+    top_ops = [HeadlineOp(name=o.name[:120], us=o.us, pct=o.pct) for o in analysis.top_ops[:5]]
+    if not tl.gpu_events and raw.suffix == ".json":
+        top_ops = top_cpu_ops(scrubbed)
+    result = ProfileResult(
+        trace_id=trace_id, profiler=profiler, device=analysis.device, trace_bytes=len(data),
+        scrubbed=report.removed_blocks, gpu_busy_pct=tl.busy_pct if tl.gpu_events else None,
+        total_us=tl.total_us if tl.gpu_events else None,
+        top_ops=top_ops,
+        seconds=round(time.monotonic() - started, 3),
+        next_step=f"analyze_trace(trace='{trace_id}') for the breakdown, roofline and ranked findings")
+    ledger.insert_run(trace_id, "trace", sha, result.model_dump(), campaign_id)
+    return result
+
+
+def top_cpu_ops(trace: Path, n: int = 5) -> list[HeadlineOp]:
+    """A trace without GPU activity (a CPU run): the ops with the most inclusive CPU time.
+    Only top-level ops count, so nested aten calls are not counted twice."""
+    import orjson
+
+    events = orjson.loads(trace.read_bytes())
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"),
+                 key=lambda e: (e.get("tid"), e["ts"], -e.get("dur", 0)))
+    totals: dict[str, float] = {}
+    end_of_parent: dict[object, float] = {}
+    for e in ops:
+        if e["ts"] < end_of_parent.get(e.get("tid"), float("-inf")):
+            continue  # nested inside an op already counted
+        end_of_parent[e.get("tid")] = e["ts"] + e.get("dur", 0)
+        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0))
+    grand = sum(totals.values()) or 1.0
+    best = sorted(totals.items(), key=lambda kv: -kv[1])[:n]
+    return [HeadlineOp(name=k[:120], us=round(v, 3), pct=round(100 * v / grand, 2)) for k, v in best]
+
+
+def artifact_path_with_suffix(artifacts: ArtifactStore, sha: str, suffix: str) -> Path:
+    """Readers pick the format by file name: expose the stored blob under a named hard link."""
+    blob = artifacts.path_for(sha)
+    name = {".json": "trace.json.gz", ".sqlite": "trace.sqlite"}.get(suffix, "trace" + suffix)
+    named = blob.parent / f"{sha}.{name}"
+    if not named.exists():
+        try:
+            named.hardlink_to(blob)
+        except OSError:
+            shutil.copyfile(blob, named)
+    return named

@@ -1,0 +1,87 @@
+"""profile and analyze_trace through the real protocol: a real torch.profiler run in the sandbox,
+real fixtures from H100/H200/MI300X, the cache, the resources, and the missing-toolchain path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from loom_mcp.config import load_config
+from loom_mcp.server import build_server
+
+from .conftest import SHARED_FIXTURES
+
+REDTEAM = Path(__file__).parent / "redteam"
+TRACES = SHARED_FIXTURES / "traces"
+
+
+@pytest.fixture
+def server(tmp_path):
+    roots = f"{tmp_path}:{REDTEAM}:{TRACES}"
+    return build_server(load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": roots}))
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared fixtures absent")
+async def test_analyze_real_fixture_and_read_its_resources(server):
+    async with Client(server) as client:
+        result = await client.call_tool("analyze_trace", {"trace": str(TRACES / "h100_bert_small.json.gz")})
+        assert result.is_error is False, result.content
+        data = result.structured_content
+        analysis = data["analysis"]
+        assert analysis["source_format"] == "kineto" and "H100" in (analysis["device"] or "")
+        assert analysis["timeline"]["busy_us"] > 0 and analysis["findings"]
+        assert len(json.dumps(data)) < 6000
+        full = await client.read_resource(f"loom://traces/{data['analysis_id']}/analysis")
+        assert json.loads(full.contents[0].text)
+        png = await client.read_resource(f"loom://traces/{data['analysis_id']}/breakdown.png")
+        assert png.contents[0].mime_type == "image/png"
+        t0 = time.perf_counter()
+        again = await client.call_tool("analyze_trace", {"trace": str(TRACES / "h100_bert_small.json.gz")})
+        assert time.perf_counter() - t0 < 1.0
+        assert again.structured_content["analysis_id"] == data["analysis_id"]
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared fixtures absent")
+async def test_diff_of_two_vendors(server):
+    async with Client(server) as client:
+        result = await client.call_tool("analyze_trace", {
+            "trace": str(TRACES / "mi300_bert_small.json.gz"),
+            "baseline": str(TRACES / "h100_bert_small.json.gz"), "top_k": 5})
+        assert result.is_error is False, result.content
+        diff = result.structured_content["analysis"]["diff"]
+        assert diff["categories"] and diff["base_total_us"] > 0
+
+
+@pytest.mark.anyio
+async def test_profile_a_task_then_analyze_by_id(server):
+    async with Client(server) as client:
+        result = await client.call_tool("profile", {
+            "task": str(REDTEAM / "task_rmsnorm.py"), "warmup": 1, "active": 2})
+        assert result.is_error is False, result.content
+        prof = result.structured_content
+        assert prof["trace_id"].startswith("t") and prof["trace_bytes"] > 0
+        assert prof["top_ops"], prof  # CPU ops are recorded even without a GPU
+        analyzed = await client.call_tool("analyze_trace", {"trace": prof["trace_id"]})
+        assert analyzed.is_error is False, analyzed.content
+        assert analyzed.structured_content["analysis"]["source_format"] == "kineto"
+
+
+@pytest.mark.anyio
+async def test_errors_carry_codes(server, tmp_path):
+    async with Client(server) as client:
+        missing = await client.call_tool("analyze_trace", {"trace": str(tmp_path / "nope.json")})
+        assert missing.is_error and "[NOT_FOUND]" in missing.content[0].text
+        outside = await client.call_tool("analyze_trace", {"trace": "/etc/hostname"})
+        assert outside.is_error and "[NOT_ALLOWED]" in outside.content[0].text
+        bad_shape = await client.call_tool("profile", {"task": str(REDTEAM / "task_rmsnorm.py"), "shape": "nope"})
+        assert bad_shape.is_error and "[BAD_INPUT]" in bad_shape.content[0].text
+        if shutil.which("nsys") is None:
+            nsys = await client.call_tool("profile", {"profiler": "nsys", "command": ["true"]})
+            assert nsys.is_error and "[TOOLCHAIN_MISSING]" in nsys.content[0].text
