@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     doctor = sub.add_parser("doctor", help="report devices, toolchains, profilers and what will not work")
     doctor.add_argument("--json", action="store_true", help="machine-readable report")
+    demo = sub.add_parser("demo", help="drive the whole loop through the MCP protocol on a built-in task")
+    demo.add_argument("--workdir", type=Path, help="where to create the demo repository (default: a temp dir)")
+    check = sub.add_parser("check", help="validate and benchmark a candidate locally; prints JSON (no MCP)")
+    check.add_argument("--task", required=True)
+    check.add_argument("--candidate", required=True)
+    check.add_argument("--baseline")
+    check.add_argument("--shapes", help="comma-separated shape names")
     return parser
 
 
@@ -69,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_doctor(args.home, as_json=args.json)
 
+    if args.command == "demo":
+        from loom_mcp.demo import run_demo
+
+        return run_demo(args.workdir)
+
     from loom_mcp.config import load_config
     from loom_mcp.errors import LoomError
 
@@ -77,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     except LoomError as exc:
         logging.getLogger("loom_mcp").error("%s", exc)
         return 2
+
+    if args.command == "check":
+        from loom_mcp.check import run_check
+
+        return run_check(config, args.task, args.candidate, args.baseline,
+                         args.shapes.split(",") if args.shapes else None)
 
     if args.http:
         return serve_http(config, args.host, args.port, args.allow_remote)

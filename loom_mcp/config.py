@@ -62,7 +62,8 @@ class LoomConfig(BaseModel):
 
     def check_allowed(self, path: Path, what: str) -> Path:
         resolved = path.expanduser().resolve()
-        for root in self.allowed_roots:
+        # The server's own state (frozen candidates, worktrees) is always readable by the server.
+        for root in [*self.allowed_roots, self.home]:
             if resolved == root or root in resolved.parents:
                 return resolved
         roots = ", ".join(str(r) for r in self.allowed_roots)

@@ -249,3 +249,36 @@ class ProfileResult(_Model):
     top_ops: list[HeadlineOp]
     seconds: float
     next_step: str
+
+
+# ---------------------------------------------------------------- submit_candidate
+
+
+class SubmitResult(_Model):
+    submission_id: str
+    verdict: str = Field(description="accept | reject | needs_review")
+    reasons: list[str]
+    reason_codes: list[str]
+    speedup: float | None = Field(description="Geomean baseline/candidate over the task's shapes")
+    speedup_ci_low: float | None
+    speedup_ci_high: float | None
+    validation_id: str | None
+    benchmark_id: str | None
+    commit: str | None = Field(description="Commit on the campaign branch when accepted")
+    branch: str
+    change_digest: str
+    budget_left: dict[str, float]
+    next_step: str
+
+
+class CampaignReportResult(_Model):
+    campaign_id: str
+    accepted: int
+    attempts: int
+    cumulative_speedup: float | None
+    branch: str
+    branch_tip: str | None
+    outcome_rates: dict[str, float]
+    budgets: dict[str, dict[str, float]]
+    files: dict[str, str] = Field(description="report.json, report.md, plots, accepted.patch")
+    next_step: str

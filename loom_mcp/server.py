@@ -29,11 +29,13 @@ from loom_mcp.inventory import device_info as device_info_impl
 from loom_mcp.models import (
     BenchmarkResult,
     Budgets,
+    CampaignReportResult,
     CompileResult,
     DeviceInfoResult,
     ProfileResult,
     RunValidationResult,
     StartCampaignResult,
+    SubmitResult,
 )
 from loom_mcp.profiling.analysis import AnalyzeTraceResult
 from loom_mcp.store import ArtifactStore, Ledger
@@ -73,6 +75,11 @@ def open_services(config: LoomConfig) -> Services:
     ledger = Ledger(config.ledger_path)
     if ledger.interrupted_on_open:
         log.warning("%d call(s) from a previous server were interrupted", ledger.interrupted_on_open)
+    if ledger.interrupted_submissions():
+        from loom_mcp.submissions import recover_interrupted
+
+        removed = recover_interrupted(config, ledger)
+        log.warning("removed %d worktree(s) of interrupted submissions", len(removed))
     return Services(config=config, ledger=ledger, artifacts=ArtifactStore(config.artifacts_dir, ledger))
 
 
@@ -381,6 +388,67 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             return analysis_file(config, analysis_id, "breakdown.png").read_bytes()
         except LoomError as exc:
             raise ResourceNotFoundError(str(exc)) from exc
+
+    @server.tool(title="Submit candidate", annotations=RECORDS)
+    async def submit_candidate(
+        ctx: Context,
+        campaign_id: Annotated[str, Field(description="From start_campaign")],
+        task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
+        candidate: Annotated[str, Field(description="Candidate file defining ModelNew (inside the campaign repo, or anywhere allowed)")],
+        paths: Annotated[list[str] | None, Field(max_length=200, description="Other repo files the change touches (repo-relative); frozen with the candidate")] = None,
+    ) -> SubmitResult:
+        """The gate: the only way a change is accepted. The server freezes the candidate (content hash +
+        a server-owned git worktree at the campaign tip; your later edits cannot change what is judged),
+        re-runs compile -> run_validation -> benchmark itself over every shape, and decides with the
+        human's thresholds: accept iff validation passes and the geomean speedup's CI lower bound clears
+        1 + min_gain with no shape clearly slower; needs_review when a time is below the physical floor
+        or the speedup is implausible. On accept it commits to loom/<campaign_id> with Loom-* trailers.
+        Budgets are enforced ([BUDGET_EXHAUSTED])."""
+        arguments = {"campaign_id": campaign_id, "task": task, "candidate": candidate, "paths": paths}
+
+        async def body(scope: CallScope) -> SubmitResult:
+            from loom_mcp.submissions import submit_candidate as submit
+
+            result, device_s = await submit(
+                config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
+                candidate=candidate, paths=paths, progress=progress_of(ctx))
+            scope.device_s = device_s
+            return result
+
+        return await run_recorded(services, "submit_candidate", arguments, body, campaign_id)
+
+    @server.tool(title="Campaign report", annotations=ToolAnnotations(
+        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False))
+    async def campaign_report(
+        campaign_id: Annotated[str, Field(description="From start_campaign")],
+    ) -> CampaignReportResult:
+        """The campaign so far, from the ledger: the accepted chain with cumulative speedup, every
+        attempt with its verdict and reasons, outcome rates (compile-fail, validation-fail,
+        noise-reject, accept), per-tool error counts, budgets used, the device and software
+        fingerprint, the accepted commits as a patch, and commands that reproduce each number.
+        Writes report.json, report.md and PNG plots; the Markdown is at loom://campaigns/{id}/report."""
+
+        async def body(scope: CallScope) -> CampaignReportResult:
+            from loom_mcp.report.campaign import write_report
+
+            report = await anyio.to_thread.run_sync(
+                write_report, config, services.ledger, services.artifacts, campaign_id)
+            return CampaignReportResult(
+                campaign_id=campaign_id, accepted=len(report.accepted), attempts=len(report.attempts),
+                cumulative_speedup=report.cumulative_speedup, branch=report.branch,
+                branch_tip=report.branch_tip, outcome_rates=report.outcome_rates,
+                budgets=report.budgets, files=report.files,
+                next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}")
+
+        return await run_recorded(services, "campaign_report", {"campaign_id": campaign_id}, body, campaign_id)
+
+    @server.resource("loom://campaigns/{campaign_id}/report", name="campaign_report",
+                     title="Campaign report (Markdown)", mime_type="text/markdown")
+    def campaign_report_resource(campaign_id: str) -> str:
+        path = config.home / "reports" / campaign_id / "report.md"
+        if not path.is_file():
+            raise ResourceNotFoundError(f"no report for {campaign_id!r} yet; call campaign_report")
+        return path.read_text()
 
     @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
                      mime_type="application/json")

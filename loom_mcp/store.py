@@ -262,6 +262,54 @@ class Ledger:
             row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return dict(row) if row else None
 
+    # -- submissions
+    def insert_submission(self, row: dict[str, Any]) -> None:
+        cols = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        with self.transaction() as db:
+            db.execute(f"INSERT INTO submissions({cols}) VALUES ({marks})", tuple(row.values()))
+
+    SUBMISSION_FIELDS = frozenset({"status", "finished_at", "validation_id", "benchmark_id",
+                                   "verdict_json", "commit_sha", "worktree"})
+
+    def update_submission(self, submission_id: str, **fields: Any) -> None:
+        unknown = set(fields) - self.SUBMISSION_FIELDS
+        if unknown:
+            raise ValueError(f"not submission fields: {sorted(unknown)}")
+        sets = ", ".join(f"{k}=?" for k in fields)
+        with self.transaction() as db:
+            db.execute(f"UPDATE submissions SET {sets} WHERE id=?", (*fields.values(), submission_id))
+
+    def submissions(self, campaign_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM submissions WHERE campaign_id=? ORDER BY created_at", (campaign_id,)
+            ).fetchall()
+        return [dict(r) for r in rows]
+
+    def interrupted_submissions(self) -> list[dict[str, Any]]:
+        """Submissions left `running` by a dead process become `interrupted`; returns every
+        interrupted one that still names a worktree (to be removed)."""
+        with self.transaction() as db:
+            rows = db.execute("SELECT id, pid FROM submissions WHERE status='running'").fetchall()
+            for row in rows:
+                if row["pid"] != os.getpid() and not _pid_alive(row["pid"]):
+                    db.execute("UPDATE submissions SET status='interrupted' WHERE id=?", (row["id"],))
+            found = db.execute(
+                "SELECT * FROM submissions WHERE status='interrupted' AND worktree IS NOT NULL"
+            ).fetchall()
+        return [dict(r) for r in found]
+
+    def live_worktrees(self, campaign_id: str) -> set[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT worktree FROM submissions WHERE campaign_id=? AND status='running'"
+                " AND worktree IS NOT NULL", (campaign_id,)).fetchall()
+        return {Path(r["worktree"]).name for r in rows}
+
+    def clear_worktree(self, submission_id: str) -> None:
+        self.update_submission(submission_id, worktree=None)
+
     # -- artifacts
     def record_artifact(self, sha256: str, size: int, kind: str, name: str | None) -> None:
         with self.transaction() as db:

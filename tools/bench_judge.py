@@ -201,7 +201,7 @@ async def main() -> int:
                 medians.append(result.shapes[0].candidate_median_s * 1e6)
             cv = statistics.stdev(medians) / statistics.mean(medians) * 100
             rows.append({"kernel": name, "medians_us": medians, "cv_pct": cv})
-            print(f"repeat {name}: medians {['%.2f' % m for m in medians]} us, CV {cv:.2f} %", flush=True)
+            print(f"repeat {name}: medians {[f'{m:.2f}' for m in medians]} us, CV {cv:.2f} %", flush=True)
         results["repeat"] = rows
 
     if "power" in only:

@@ -1,0 +1,46 @@
+"""`loom-mcp check`: the judge without MCP, for reproducing a report's numbers from a shell."""
+
+from __future__ import annotations
+
+import sys
+
+import anyio
+
+from loom_mcp.config import LoomConfig
+from loom_mcp.errors import LoomError
+
+
+async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
+                 shapes: list[str] | None) -> dict:
+    from loom_mcp import judge
+    from loom_mcp.gate import decide
+    from loom_mcp.judge_models import CompileEvidence
+    from loom_mcp.server import open_services
+
+    services = open_services(config)
+    validation, evidence, _ = await judge.run_validation(
+        config, services.ledger, services.artifacts, task=task, candidate=candidate, seeds=None,
+        shapes=shapes, campaign_id=None, progress=None)
+    out: dict = {"validation": validation.model_dump()}
+    bench_evidence = None
+    if validation.passed:
+        bench, bench_evidence, findings, _ = await judge.run_benchmark(
+            config, services.ledger, services.artifacts, task=task, candidate=candidate,
+            baseline=baseline, shapes=shapes, campaign_id=None, progress=None)
+        out["benchmark"] = bench.model_dump()
+    verdict = decide(CompileEvidence(ok=True), evidence, bench_evidence, config.gate)
+    out["verdict"] = verdict.model_dump()
+    return out
+
+
+def run_check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
+              shapes: list[str] | None) -> int:
+    import orjson
+
+    try:
+        result = anyio.run(_check, config, task, candidate, baseline, shapes)
+    except LoomError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0 if result["verdict"]["verdict"] == "accept" else 1

@@ -1,0 +1,1 @@
+"""Reports: campaign JSON, Markdown and plots."""

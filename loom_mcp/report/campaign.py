@@ -1,0 +1,219 @@
+"""campaign_report: the campaign from the ledger alone — accepted chain, every attempt with its
+reasons, failure rates per tool, budgets used, fingerprints, patches and reproduction commands.
+
+Written as JSON (versioned; unknown values null), Markdown and PNG plots under
+LOOM_HOME/reports/<campaign_id>/. Every number comes from a stored record.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from loom_mcp import __version__
+from loom_mcp.config import LoomConfig
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.models import Budgets
+from loom_mcp.store import ArtifactStore, Ledger
+
+REPORT_SCHEMA = "loom.campaign_report/1"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Attempt(_M):
+    submission_id: str
+    status: str
+    candidate: str
+    speedup: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    reasons: list[str] = Field(default_factory=list)
+    validation_id: str | None = None
+    benchmark_id: str | None = None
+    commit: str | None = None
+
+
+class ToolRates(_M):
+    calls: int
+    errors: int
+    by_code: dict[str, int]
+
+
+class CampaignReport(_M):
+    schema_version: str = REPORT_SCHEMA
+    campaign_id: str
+    goal: str
+    repo: str
+    base_commit: str
+    branch: str
+    branch_tip: str | None
+    accepted: list[Attempt]
+    cumulative_speedup: float | None = Field(description="Product of accepted geomeans (each vs its own baseline)")
+    attempts: list[Attempt]
+    outcome_rates: dict[str, float] = Field(description="Share of submissions: accept, reject_compile, reject_validation, reject_noise, reject_other, needs_review, interrupted/error")
+    tools: dict[str, ToolRates]
+    budgets: dict[str, dict[str, float]]
+    fingerprint: dict[str, Any]
+    reproduce: list[str]
+    files: dict[str, str]
+
+
+def _verdict(row: dict) -> dict:
+    return orjson.loads(row["verdict_json"]) if row.get("verdict_json") else {}
+
+
+def classify(row: dict) -> str:
+    status = row["status"]
+    if status != "reject":
+        return status
+    codes = set(_verdict(row).get("reason_codes", []))
+    if any(c.startswith("compile.") for c in codes):
+        return "reject_compile"
+    if any(c.startswith("validation.") for c in codes):
+        return "reject_validation"
+    if codes and codes <= {"speedup.insufficient", "shape.regression"}:
+        return "reject_noise"
+    return "reject_other"
+
+
+def _attempt(row: dict) -> Attempt:
+    v = _verdict(row)
+    return Attempt(submission_id=row["id"], status=row["status"], candidate=row["candidate"],
+                   speedup=v.get("speedup"), ci_low=v.get("speedup_ci_low"), ci_high=v.get("speedup_ci_high"),
+                   reasons=v.get("reasons", [])[:6], validation_id=row["validation_id"],
+                   benchmark_id=row["benchmark_id"], commit=row["commit_sha"])
+
+
+def _record(ledger: Ledger, artifacts: ArtifactStore, run_id: str | None) -> dict | None:
+    if not run_id:
+        return None
+    row = ledger.run(run_id)
+    return orjson.loads(artifacts.get_bytes(row["record_sha"])) if row else None
+
+
+def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, campaign_id: str) -> CampaignReport:
+    campaign = ledger.campaign(campaign_id)
+    if campaign is None:
+        raise LoomError(ErrorCode.NOT_FOUND, f"no campaign {campaign_id!r}")
+    from loom_mcp import gitops
+    from loom_mcp.submissions import budget_usage
+
+    repo = Path(campaign["repo"])
+    rows = ledger.submissions(campaign_id)
+    attempts = [_attempt(r) for r in rows]
+    accepted = [a for a in attempts if a.status == "accept"]
+    cumulative = math.prod(a.speedup for a in accepted if a.speedup) if accepted else None
+    classes = [classify(r) for r in rows]
+    rates = {k: round(classes.count(k) / len(classes), 3) for k in sorted(set(classes))} if classes else {}
+    tools: dict[str, ToolRates] = {}
+    for call in ledger.calls(campaign_id=campaign_id):
+        t = tools.setdefault(call.tool, ToolRates(calls=0, errors=0, by_code={}))
+        t.calls += 1
+        if call.outcome != "ok":
+            t.errors += 1
+            code = call.error_code or call.outcome
+            t.by_code[code] = t.by_code.get(code, 0) + 1
+    budgets = Budgets.model_validate(orjson.loads(campaign["budgets_json"])).model_dump()
+    used = budget_usage(ledger, campaign)
+    tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
+    last_bench = next((_record(ledger, artifacts, a.benchmark_id) for a in reversed(attempts) if a.benchmark_id), None)
+    toolchain_file = config.cache_dir / "toolchain.json"
+    toolchain = orjson.loads(toolchain_file.read_bytes()) if toolchain_file.is_file() else None
+    fingerprint = {
+        "loom_mcp": __version__,
+        "python": sys.version.split()[0],
+        "config_fingerprint": campaign["config_fingerprint"],
+        "device": (last_bench or {}).get("device"),
+        "toolchain": (toolchain or {}).get("toolchain", toolchain),
+        "base_commit": campaign["base_commit"],
+        "branch_tip": tip if tip != campaign["base_commit"] else None,
+    }
+    reproduce = []
+    for a in accepted:
+        reproduce.append(f"git -C {repo} worktree add /tmp/{a.submission_id} {a.commit}")
+        task = next(r["task"] for r in rows if r["id"] == a.submission_id)
+        reproduce.append(f"loom-mcp check --task {task} --candidate /tmp/{a.submission_id}/"
+                         f"{_repo_rel(repo, a.candidate)}   # validation + benchmark, prints JSON")
+    return CampaignReport(
+        campaign_id=campaign_id, goal=campaign["goal"], repo=str(repo), base_commit=campaign["base_commit"],
+        branch=campaign["branch"], branch_tip=fingerprint["branch_tip"], accepted=accepted,
+        cumulative_speedup=cumulative, attempts=attempts, outcome_rates=rates, tools=tools,
+        budgets={"limit": budgets, "used": {k: round(v, 3) for k, v in used.items()}},
+        fingerprint=fingerprint, reproduce=reproduce, files={})
+
+
+def _repo_rel(repo: Path, path: str) -> str:
+    try:
+        return Path(path).resolve().relative_to(repo).as_posix()
+    except ValueError:
+        return f"loom_candidates/{Path(path).name}"
+
+
+def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, campaign_id: str) -> CampaignReport:
+    from loom_mcp import gitops
+    from loom_mcp.report.plots import speedup_plot
+
+    report = build_report(config, ledger, artifacts, campaign_id)
+    out = config.home / "reports" / campaign_id
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    shapes = []
+    for a in report.accepted:
+        rec = _record(ledger, artifacts, a.benchmark_id)
+        if rec:
+            shapes.append((a.submission_id, rec["evidence"]["shapes"]))
+    if shapes:
+        files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png"))
+    if report.branch_tip:
+        patch = gitops.format_patch(Path(report.repo), report.base_commit, report.branch)
+        (out / "accepted.patch").write_text(patch)
+        files["patch"] = str(out / "accepted.patch")
+    files["json"] = str(out / "report.json")
+    files["markdown"] = str(out / "report.md")
+    report.files = files
+    (out / "report.json").write_bytes(orjson.dumps(report.model_dump(), option=orjson.OPT_INDENT_2))
+    (out / "report.md").write_text(render_markdown(report))
+    return report
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def render_markdown(r: CampaignReport) -> str:
+    lines = [f"# Campaign {r.campaign_id}", "", f"**Goal:** {r.goal}", "",
+             f"Repository `{r.repo}`, base `{r.base_commit[:12]}`, branch `{r.branch}`"
+             + (f" at `{r.branch_tip[:12]}`" if r.branch_tip else " (nothing accepted yet)"), ""]
+    lines += ["## Accepted chain", ""]
+    if r.accepted:
+        lines += ["| submission | candidate | speedup | 95% CI | commit |", "|---|---|---|---|---|"]
+        lines += [f"| {a.submission_id} | `{Path(a.candidate).name}` | {_fmt(a.speedup)}x | "
+                  f"[{_fmt(a.ci_low)}, {_fmt(a.ci_high)}] | `{(a.commit or '')[:12]}` |" for a in r.accepted]
+        lines += ["", f"Cumulative (product of accepted geomeans): **{_fmt(r.cumulative_speedup)}x**", ""]
+    else:
+        lines += ["None.", ""]
+    lines += ["## Every attempt", "", "| submission | verdict | speedup | reasons |", "|---|---|---|---|"]
+    lines += [f"| {a.submission_id} | {a.status} | {_fmt(a.speedup)} | {'; '.join(a.reasons)[:300] or '—'} |"
+              for a in r.attempts]
+    lines += ["", "## Outcomes and tools", ""]
+    lines += [f"- {k}: {v:.0%}" for k, v in r.outcome_rates.items()] or ["- no submissions"]
+    lines += ["", "| tool | calls | errors | by code |", "|---|---|---|---|"]
+    lines += [f"| {k} | {t.calls} | {t.errors} | {', '.join(f'{c}: {n}' for c, n in t.by_code.items()) or '—'} |"
+              for k, t in sorted(r.tools.items())]
+    lim, used = r.budgets["limit"], r.budgets["used"]
+    lines += ["", "## Budgets", "", "| budget | used | limit |", "|---|---|---|"]
+    lines += [f"| {k} | {used[k]:.1f} | {lim[k]:.1f} |" for k in ("gpu_seconds", "candidates", "wall_seconds")]
+    lines += ["", "## Fingerprint", "", "```json", orjson.dumps(r.fingerprint, option=orjson.OPT_INDENT_2).decode(), "```"]
+    if r.reproduce:
+        lines += ["", "## Reproduce", "", "```bash", *r.reproduce, "```"]
+    if r.files:
+        lines += ["", "## Files", ""] + [f"- {k}: `{v}`" for k, v in r.files.items()]
+    return "\n".join(lines) + "\n"

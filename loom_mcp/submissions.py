@@ -1,0 +1,207 @@
+"""submit_candidate: the gate. The server freezes the candidate, re-runs compile -> validate ->
+benchmark itself in a server-owned worktree, decides, and on accept commits to loom/<campaign>.
+
+Nothing the agent says is evidence: thresholds come from the config, numbers from this run.
+Submissions to one campaign are serialized by a lock shared across server processes, so the
+branch stays linear; a submission row is written before any work, so a crash leaves it marked
+`interrupted` on the next start, and its worktree is removed then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import orjson
+
+from loom_mcp import gitops
+from loom_mcp.config import LoomConfig
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import CompileEvidence, Diagnostic, Verdict
+from loom_mcp.models import Budgets, SubmitResult
+from loom_mcp.sandbox.lease import DeviceLease
+from loom_mcp.store import ArtifactStore, Ledger, new_run_id
+
+Progress = Callable[[str], Awaitable[None]]
+
+
+def budget_usage(ledger: Ledger, campaign: dict) -> dict[str, float]:
+    calls = ledger.calls(campaign_id=campaign["id"])
+    return {
+        "gpu_seconds": sum(c.device_s for c in calls),
+        "candidates": float(len(ledger.submissions(campaign["id"]))),
+        "wall_seconds": time.time() - campaign["created_at"],
+    }
+
+
+def budget_left(ledger: Ledger, campaign: dict) -> dict[str, float]:
+    budgets = Budgets.model_validate(orjson.loads(campaign["budgets_json"]))
+    used = budget_usage(ledger, campaign)
+    return {k: round(getattr(budgets, k) - used[k], 3) for k in ("gpu_seconds", "candidates", "wall_seconds")}
+
+
+def check_budgets(ledger: Ledger, campaign: dict) -> dict[str, float]:
+    left = budget_left(ledger, campaign)
+    spent = [k for k, v in left.items() if v <= 0]
+    if spent:
+        raise LoomError(ErrorCode.BUDGET_EXHAUSTED,
+                        f"campaign {campaign['id']} has used its {', '.join(spent)} budget "
+                        f"(left: {left}); campaign_report summarizes it, a human can raise budgets in loom.toml "
+                        "for a new campaign")
+    return left
+
+
+def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
+    """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
+    text = candidate.read_text()
+    rel = f"loom_candidates/{candidate.name}"
+    digest = hashlib.sha256(orjson.dumps(sorted({rel: text}.items()))).hexdigest()
+    return gitops.FrozenChange(files={rel: text}, patch="", digest=digest)
+
+
+def _relative_in(repo: Path, path: Path) -> str | None:
+    try:
+        return path.resolve().relative_to(repo).as_posix()
+    except ValueError:
+        return None
+
+
+async def submit_candidate(
+    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, campaign_id: str, task: str,
+    candidate: str, paths: list[str] | None, progress: Progress | None,
+) -> tuple[SubmitResult, float]:
+    from loom_mcp import judge
+    from loom_mcp.gate import decide
+
+    campaign = ledger.campaign(campaign_id)
+    if campaign is None:
+        raise LoomError(ErrorCode.NOT_FOUND, f"no campaign {campaign_id!r}; start_campaign first")
+    repo = Path(campaign["repo"])
+    task_path = judge.check_file(config, task, "task")
+    cand_path = judge.check_file(config, candidate, "candidate")
+    worktrees_root = config.home / "worktrees" / campaign_id
+    device_seconds = 0.0
+
+    # One submission per campaign at a time, across coroutines and server processes.
+    async with DeviceLease(config.locks_dir, f"campaign:{campaign_id}", timeout_s=config.lease_timeout_s):
+        check_budgets(ledger, campaign)
+        cand_rel = _relative_in(repo, cand_path)
+        if cand_rel is not None:
+            wanted = sorted({cand_rel, *(paths or [])})
+            change = gitops.freeze_change(repo, campaign["base_commit"], wanted)
+        else:
+            change = _frozen_outside_change(cand_path)
+            cand_rel = next(iter(change.files))
+        task_rel = _relative_in(repo, task_path)
+        task_sha = artifacts.put_file(task_path, kind="task")
+        cand_sha = artifacts.put_bytes(change.files[cand_rel].encode(), kind="candidate", name=cand_rel)
+        submission_id = new_run_id("submission")
+        ledger.insert_submission({
+            "id": submission_id, "campaign_id": campaign_id, "created_at": time.time(),
+            "status": "running", "task": str(task_path), "task_sha": task_sha,
+            "candidate": str(cand_path), "candidate_sha": cand_sha, "pid": os.getpid()})
+        tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
+        worktree = None
+        try:
+            if progress:
+                await progress("freezing the candidate in a server-owned worktree")
+            worktree = gitops.prepare_worktree(repo, worktrees_root, submission_id, tip, change)
+            ledger.update_submission(submission_id, worktree=str(worktree))
+            frozen_cand = worktree / cand_rel
+            frozen_task = worktree / task_rel if task_rel else worktree.parent / f"{submission_id}.task.py"
+            if task_rel is None:
+                frozen_task.write_bytes(artifacts.get_bytes(task_sha))
+
+            compile_evidence = CompileEvidence(ok=True, language="python")
+            source = frozen_cand.read_text()
+            if "@triton.jit" in source or "@triton.autotune" in source:
+                if progress:
+                    await progress("compiling")
+                compiled, secs = await judge.compile_kernel(
+                    config, artifacts, source=str(frozen_cand), language="triton", target=None, flags=[],
+                    task=str(frozen_task), progress=progress)
+                device_seconds += secs
+                compile_evidence = CompileEvidence(
+                    ok=compiled.ok, language="triton", artifact_id=compiled.artifact_id,
+                    diagnostics=[Diagnostic(severity=d.severity, message=d.message, file=d.file, line=d.line)
+                                 for d in compiled.diagnostics])
+            validation = benchmark = None
+            validation_id = benchmark_id = None
+            if compile_evidence.ok:
+                v_result, validation, secs = await judge.run_validation(
+                    config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
+                    seeds=None, shapes=None, campaign_id=campaign_id, progress=progress)
+                device_seconds += secs
+                validation_id = v_result.validation_id
+                if validation.passed:
+                    b_result, benchmark, b_findings, secs = await judge.run_benchmark(
+                        config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
+                        baseline=None, shapes=None, campaign_id=campaign_id, progress=progress)
+                    device_seconds += secs
+                    benchmark_id = b_result.benchmark_id
+                    if b_findings:  # misbehaviour while timed fails validation after the fact
+                        validation = validation.model_copy(update={
+                            "passed": False, "findings": [*validation.findings, *b_findings]})
+            verdict: Verdict = decide(compile_evidence, validation, benchmark, config.gate)
+            commit = None
+            if verdict.verdict == "accept":
+                if progress:
+                    await progress("accepted: committing to " + campaign["branch"])
+                commit = gitops.commit_accepted(
+                    repo, worktree, campaign["branch"], tip,
+                    message=f"loom: {Path(cand_rel).name} x{verdict.speedup:.3f} for {task_path.name}\n\n"
+                            f"Campaign {campaign_id}: {campaign['goal']}",
+                    trailers=trailers(verdict, validation_id, benchmark_id, benchmark))
+            ledger.update_submission(
+                submission_id, status=verdict.verdict, finished_at=time.time(),
+                validation_id=validation_id, benchmark_id=benchmark_id,
+                verdict_json=verdict.model_dump_json(), commit_sha=commit)
+        except BaseException:
+            ledger.update_submission(submission_id, status="error", finished_at=time.time())
+            raise
+        finally:
+            if worktree is not None:
+                gitops.remove_worktree(repo, worktree)
+                ledger.update_submission(submission_id, worktree=None)
+
+    next_step = {
+        "accept": f"accepted on {campaign['branch']}; optimize the next hotspot or campaign_report",
+        "reject": "fix the reasons listed, then submit again",
+        "needs_review": "a human must look at this result (implausible speed or unproven execution)",
+    }[verdict.verdict]
+    result = SubmitResult(
+        submission_id=submission_id, verdict=verdict.verdict, reasons=verdict.reasons,
+        reason_codes=list(verdict.reason_codes), speedup=verdict.speedup,
+        speedup_ci_low=verdict.speedup_ci_low, speedup_ci_high=verdict.speedup_ci_high,
+        validation_id=validation_id, benchmark_id=benchmark_id, commit=commit,
+        branch=campaign["branch"], change_digest=change.digest,
+        budget_left=budget_left(ledger, campaign), next_step=next_step)
+    return result, device_seconds
+
+
+def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark) -> dict[str, str]:
+    device = benchmark.device if benchmark else "unknown"
+    return {
+        "Loom-Verdict": verdict.verdict,
+        "Loom-Speedup": f"{verdict.speedup:.4f}x [{verdict.speedup_ci_low:.4f}, {verdict.speedup_ci_high:.4f}] "
+                        f"{int(round((verdict.ci_level or 0.95) * 100))}% CI",
+        "Loom-Evidence": f"{validation_id}, {benchmark_id}",
+        "Loom-Device": f"{device} ({benchmark.timer})" if benchmark else device,
+    }
+
+
+def recover_interrupted(config: LoomConfig, ledger: Ledger) -> list[str]:
+    """On start: submissions whose process died are `interrupted`; their worktrees are removed
+    (keeping any a live submission in another server process is using)."""
+    cleaned: list[str] = []
+    for row in ledger.interrupted_submissions():
+        campaign = ledger.campaign(row["campaign_id"])
+        root = config.home / "worktrees" / row["campaign_id"]
+        if campaign is not None and root.exists():
+            keep = ledger.live_worktrees(row["campaign_id"])
+            cleaned += gitops.cleanup_stale_worktrees(Path(campaign["repo"]), root, keep=keep)
+        ledger.clear_worktree(row["id"])
+    return cleaned
