@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from loom_mcp import __version__
+from loom_mcp.install import add_install_parser, run_install
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 TOKEN_ENV = "LOOM_HTTP_TOKEN"
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--candidate", required=True)
     check.add_argument("--baseline")
     check.add_argument("--shapes", help="comma-separated shape names")
+    add_install_parser(sub)
     return parser
 
 
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.home:
         os.environ["LOOM_HOME"] = str(args.home)
+
+    if args.command == "install":
+        return run_install(args)
 
     if args.command == "doctor":
         from loom_mcp.doctor import run_doctor
