@@ -9,7 +9,6 @@ branch stays linear; a submission row is written before any work, so a crash lea
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -56,10 +55,8 @@ def check_budgets(ledger: Ledger, campaign: dict) -> dict[str, float]:
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
-    text = candidate.read_text()
-    rel = f"loom_candidates/{candidate.name}"
-    digest = hashlib.sha256(orjson.dumps(sorted({rel: text}.items()))).hexdigest()
-    return gitops.FrozenChange(files={rel: text}, patch="", digest=digest)
+    files = {f"loom_candidates/{candidate.name}": candidate.read_text()}
+    return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
 def _relative_in(repo: Path, path: Path) -> str | None:
@@ -128,6 +125,13 @@ async def submit_candidate(
                     ok=compiled.ok, language="triton", artifact_id=compiled.artifact_id,
                     diagnostics=[Diagnostic(severity=d.severity, message=d.message, file=d.file, line=d.line)
                                  for d in compiled.diagnostics])
+            # Each accepted step must beat the previous one, not just the reference: the chain's
+            # speedups then multiply into a true cumulative figure.
+            previous = last_accepted(ledger, campaign_id, task_sha)
+            baseline_file = None
+            if previous is not None:
+                baseline_file = worktree.parent / f"{submission_id}.baseline.py"
+                baseline_file.write_bytes(artifacts.get_bytes(previous["candidate_sha"]))
             validation = benchmark = None
             validation_id = benchmark_id = None
             if compile_evidence.ok:
@@ -139,7 +143,8 @@ async def submit_candidate(
                 if validation.passed:
                     b_result, benchmark, b_findings, secs = await judge.run_benchmark(
                         config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
-                        baseline=None, shapes=None, campaign_id=campaign_id, progress=progress)
+                        baseline=str(baseline_file) if baseline_file else None, shapes=None,
+                        campaign_id=campaign_id, progress=progress)
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id
                     if b_findings:  # misbehaviour while timed fails validation after the fact
@@ -165,6 +170,8 @@ async def submit_candidate(
         finally:
             if worktree is not None:
                 gitops.remove_worktree(repo, worktree)
+                for leftover in worktree.parent.glob(f"{submission_id}.*.py"):
+                    leftover.unlink(missing_ok=True)
                 ledger.update_submission(submission_id, worktree=None)
 
     next_step = {
@@ -180,6 +187,11 @@ async def submit_candidate(
         branch=campaign["branch"], change_digest=change.digest,
         budget_left=budget_left(ledger, campaign), next_step=next_step)
     return result, device_seconds
+
+
+def last_accepted(ledger: Ledger, campaign_id: str, task_sha: str) -> dict | None:
+    accepted = [r for r in ledger.submissions(campaign_id) if r["status"] == "accept" and r["task_sha"] == task_sha]
+    return accepted[-1] if accepted else None
 
 
 def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark) -> dict[str, str]:
