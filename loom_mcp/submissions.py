@@ -55,7 +55,7 @@ def check_budgets(ledger: Ledger, campaign: dict) -> dict[str, float]:
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
-    files = {f"loom_candidates/{candidate.name}": candidate.read_text()}
+    files = {f"loom_candidates/{candidate.name}": candidate.read_bytes().decode("utf-8")}
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
@@ -94,7 +94,10 @@ async def submit_candidate(
             cand_rel = next(iter(change.files))
         task_rel = _relative_in(repo, task_path)
         task_sha = artifacts.put_file(task_path, kind="task")
-        cand_sha = artifacts.put_bytes(change.files[cand_rel].encode(), kind="candidate", name=cand_rel)
+        frozen_bytes = change.content_bytes(cand_rel) if cand_rel in change.files else None
+        # Unchanged since the base (only other paths changed): the file as it is now is the candidate.
+        cand_sha = artifacts.put_bytes(frozen_bytes if frozen_bytes is not None else cand_path.read_bytes(),
+                                       kind="candidate", name=cand_rel)
         submission_id = new_run_id("submission")
         ledger.insert_submission({
             "id": submission_id, "campaign_id": campaign_id, "created_at": time.time(),
