@@ -115,6 +115,8 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     rates = {k: round(classes.count(k) / len(classes), 3) for k in sorted(set(classes))} if classes else {}
     tools: dict[str, ToolRates] = {}
     for call in ledger.calls(campaign_id=campaign_id):
+        if call.outcome == "running":
+            continue  # this very report, or a call still in flight: not an outcome yet
         t = tools.setdefault(call.tool, ToolRates(calls=0, errors=0, by_code={}))
         t.calls += 1
         if call.outcome != "ok":
@@ -131,7 +133,9 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         "loom_mcp": __version__,
         "python": sys.version.split()[0],
         "config_fingerprint": campaign["config_fingerprint"],
-        "device": (last_bench or {}).get("device"),
+        "device": {k: v for k, v in ((last_bench or {}).get("device") or {}).items()
+                   if k in ("vendor", "name", "arch", "driver_version", "runtime_version",
+                            "memory_total_bytes", "uuid")} or None,
         "toolchain": (toolchain or {}).get("toolchain", toolchain),
         "base_commit": campaign["base_commit"],
         "branch_tip": tip if tip != campaign["base_commit"] else None,
