@@ -140,7 +140,8 @@ async def drive(workdir: Path, home: Path) -> int:
 
     _say(f"\ndone in {time.monotonic() - started:.0f} s; largest tool result {max(sizes.values())} bytes")
     ok = bad["verdict"] != "accept" and good["verdict"] in ("accept", "needs_review")
-    _say(json.dumps({"cheat": bad["verdict"], "candidate": good["verdict"], "report": report["files"].get("markdown")}))
+    _say(json.dumps({"cheat": bad["verdict"], "candidate": good["verdict"], "report": report["files"].get("markdown"),
+                     "largest_result_bytes": sizes}))
     return 0 if ok else 1
 
 
