@@ -262,6 +262,12 @@ class Ledger:
             row = self._db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         return dict(row) if row else None
 
+    def runs_of(self, campaign_id: str, kind: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM runs WHERE campaign_id=? AND kind=? ORDER BY created_at",
+                                    (campaign_id, kind)).fetchall()
+        return [dict(r) for r in rows]
+
     # -- submissions
     def insert_submission(self, row: dict[str, Any]) -> None:
         cols = ", ".join(row)

@@ -20,6 +20,7 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert summary["candidate"] == "accept"
     report = Path(summary["report"]).read_text()
     assert "Accepted chain" in report and "Every attempt" in report
+    assert "speedup_png" in report and "breakdown_png" in report  # plots for people
     for step in ("device_info", "start_campaign", "profile", "analyze_trace", "compile_kernel",
                  "run_validation", "benchmark", "submit_candidate", "campaign_report"):
         assert step in summary["largest_result_bytes"], step

@@ -191,12 +191,26 @@ def test_version_and_doctor(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("npx") is None, reason="npx is not installed")
-def test_mcp_inspector_cli_lists_tools(tmp_path):
+def test_mcp_inspector_cli_lists_calls_and_reads(tmp_path):
+    """An external client: the MCP Inspector's CLI lists tools, calls two, and reads a resource."""
+    from .conftest import make_git_repo
+
+    repo = make_git_repo(tmp_path / "repo")
     env = {**os.environ, **server_env(tmp_path / "h", tmp_path)}
-    cmd = ["npx", "-y", "@modelcontextprotocol/inspector", "--cli",
-           "-e", f"LOOM_HOME={tmp_path / 'h'}", "-e", f"LOOM_ALLOWED_ROOTS={tmp_path}",
-           LOOM, "--stdio", "--method", "tools/list"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    names = {t["name"] for t in json.loads(done.stdout)["tools"]}
-    assert {"device_info", "start_campaign"} <= names
+    base = ["npx", "-y", "@modelcontextprotocol/inspector", "--cli",
+            "-e", f"LOOM_HOME={tmp_path / 'h'}", "-e", f"LOOM_ALLOWED_ROOTS={tmp_path}", LOOM, "--stdio"]
+
+    def inspector(*args: str) -> dict:
+        done = subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    names = {t["name"] for t in inspector("--method", "tools/list")["tools"]}
+    assert {"device_info", "start_campaign", "submit_candidate", "analyze_trace"} <= names
+    info = inspector("--method", "tools/call", "--tool-name", "device_info")
+    assert any(d["vendor"] == "cpu" for d in info["structuredContent"]["devices"])
+    started = inspector("--method", "tools/call", "--tool-name", "start_campaign",
+                        "--tool-arg", f"repo={repo}", "--tool-arg", "goal=inspector check")
+    cid = started["structuredContent"]["campaign_id"]
+    read = inspector("--method", "resources/read", "--uri", f"loom://campaigns/{cid}")
+    assert json.loads(read["contents"][0]["text"])["id"] == cid

@@ -163,7 +163,7 @@ def _repo_rel(repo: Path, path: str) -> str:
 
 def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, campaign_id: str) -> CampaignReport:
     from loom_mcp import gitops
-    from loom_mcp.report.plots import speedup_plot
+    from loom_mcp.report.plots import roofline_plot, speedup_plot
 
     report = build_report(config, ledger, artifacts, campaign_id)
     out = config.home / "reports" / campaign_id
@@ -176,6 +176,13 @@ def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
             shapes.append((a.submission_id, rec["evidence"]["shapes"]))
     if shapes:
         files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png"))
+        roofline = roofline_plot(shapes, out / "roofline.png")
+        if roofline:
+            files["roofline_png"] = str(roofline)
+    breakdown = latest_breakdown(config, ledger, campaign_id)
+    if breakdown:
+        (out / "breakdown.png").write_bytes(breakdown.read_bytes())
+        files["breakdown_png"] = str(out / "breakdown.png")
     if report.branch_tip:
         patch = gitops.format_patch(Path(report.repo), report.base_commit, report.branch)
         (out / "accepted.patch").write_text(patch)
@@ -186,6 +193,17 @@ def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     (out / "report.json").write_bytes(orjson.dumps(report.model_dump(), option=orjson.OPT_INDENT_2))
     (out / "report.md").write_text(render_markdown(report))
     return report
+
+
+def latest_breakdown(config: LoomConfig, ledger: Ledger, campaign_id: str) -> Path | None:
+    """The time-breakdown plot of the campaign's latest profiled trace, when one was analyzed."""
+    for row in reversed(ledger.runs_of(campaign_id, "trace")):
+        for summary in (config.cache_dir / "traces").glob("*/summary.json"):
+            if orjson.loads(summary.read_bytes()).get("trace", "").startswith(row["record_sha"]):
+                png = summary.with_name("breakdown.png")
+                if png.is_file():
+                    return png
+    return None
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
