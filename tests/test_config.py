@@ -33,7 +33,9 @@ def test_unknown_keys_and_bad_toml_are_errors(tmp_path):
 
 
 def test_allowed_roots_check(tmp_path):
-    config = load_config(tmp_path, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path / "ok")})
+    config = load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path / "ok")})
+    # The server's own state is always readable by the server (frozen candidates, worktrees).
+    assert config.check_allowed(tmp_path / "home" / "worktrees" / "x", "task")
     assert config.check_allowed(tmp_path / "ok" / "repo", "repo") == (tmp_path / "ok" / "repo").resolve()
     with pytest.raises(LoomError, match=r"\[NOT_ALLOWED\]"):
         config.check_allowed(tmp_path / "okay-not", "repo")
