@@ -68,10 +68,29 @@ async def pick_target(config: LoomConfig) -> Target:
     gpus = [d for d in devices if d.vendor != "cpu"]
     torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
     if gpus and torch_sees_gpu:
-        gpu = gpus[0]
+        gpu = first_visible(gpus)
         return Target("cuda", gpu, f"{gpu.vendor}:{gpu.index}")
     cpu = next(d for d in devices if d.vendor == "cpu")
     return Target("cpu", cpu, "cpu")
+
+
+def first_visible(gpus: list[DeviceInfo]) -> DeviceInfo:
+    """The GPU the workers' torch calls cuda:0: the first entry of CUDA_VISIBLE_DEVICES /
+    HIP_VISIBLE_DEVICES when it names an index (workers inherit it), else the first GPU found.
+    Its NVML/amdsmi index is the one whose clocks are sampled and whose lease is taken."""
+    import os
+
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        first = os.environ.get(var, "").split(",")[0].strip()
+        if first.isdigit():
+            match = [g for g in gpus if g.index == int(first)]
+            if match:
+                return match[0]
+        elif first.startswith("GPU-"):
+            match = [g for g in gpus if g.uuid and g.uuid.startswith(first)]
+            if match:
+                return match[0]
+    return gpus[0]
 
 
 def check_file(config: LoomConfig, path: str, what: str) -> Path:
