@@ -48,7 +48,7 @@ Progress = Callable[[str], Awaitable[None]]
 class Target:
     """Where jobs run: the torch device string for workers, and the device record for peaks."""
 
-    torch_device: str  # "cuda" (CUDA and ROCm builds alike) or "cpu"
+    torch_device: str  # "cuda:N" (CUDA and ROCm builds alike; N = NVML/amdsmi index) or "cpu"
     device: DeviceInfo
     lease_key: str
 
@@ -69,7 +69,7 @@ async def pick_target(config: LoomConfig) -> Target:
     torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
     if gpus and torch_sees_gpu:
         gpu = first_visible(gpus)
-        return Target("cuda", gpu, f"{gpu.vendor}:{gpu.index}")
+        return Target(f"cuda:{gpu.index}", gpu, f"{gpu.vendor}:{gpu.index}")
     cpu = next(d for d in devices if d.vendor == "cpu")
     return Target("cpu", cpu, "cpu")
 

@@ -25,6 +25,7 @@ from loom_mcp.bench.stats import analyze_shapes
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples
 from loom_mcp.models import DevicePeak
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, run_job
 
 Progress = Callable[[str], Awaitable[None]]
@@ -91,11 +92,12 @@ async def benchmark_candidate(
             await progress(message)
 
     job_dir.mkdir(parents=True, exist_ok=True)
-    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    timer_device = device
+    device, env, visible = job_placement(device)
     cases_file = job_dir / "prep" / "bench_cases.pt"
     await say("preparing rotated input sets")
     prep = await run_job(JobSpec(
-        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep", env=env,
+        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep", env=env, visible_devices=visible,
         timeout_s=timeout_s,
         request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
                  "nonce": secrets.randbits(62), "cases_file": str(cases_file),
@@ -124,7 +126,7 @@ async def benchmark_candidate(
         async def launch(role: str) -> None:
             module, class_name = arms_spec[role]
             arm_results[role] = await run_job(JobSpec(
-                argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env,
+                argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env, visible_devices=visible,
                 timeout_s=timeout_s,
                 request={"role": role, "module": str(module), "class_name": class_name,
                          "cases_file": str(cases_file), "socket": str(sock_path), "token": token,
@@ -179,7 +181,7 @@ async def benchmark_candidate(
     timer = "wall_clock" if device == "cpu" else ("hip_events" if peak and peak.vendor == "amd"
                                                   else "cuda_events")
     evidence = BenchmarkEvidence(
-        benchmark_id=benchmark_id, device=device, timer=timer, shapes=stats.shapes,
+        benchmark_id=benchmark_id, device=timer_device, timer=timer, shapes=stats.shapes,
         geomean=stats.geomean, throttled_samples_dropped=stats.throttled_samples_dropped,
         outliers_dropped=stats.outliers_dropped, l2_flushed=flush_bytes > 0,
         graph_replay=graph_used, proof_of_execution=proof, proof_note=proof_note,

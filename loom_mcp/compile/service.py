@@ -20,6 +20,7 @@ from loom_mcp.compile.reports import (
 )
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, run_job
 from loom_mcp.store import ArtifactStore
 
@@ -137,9 +138,10 @@ async def _compile_native(source, language, target, flags, job_dir, timeout_s, c
 
 async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, target,
                           progress) -> CompileResult:
-    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    device, env, visible = job_placement(device)
     job = await run_job(JobSpec(
         argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"], job_dir=job_dir, env=env,
+        visible_devices=visible,
         timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
                                       "device": device},
     ), on_progress=progress)

@@ -17,6 +17,7 @@ from typing import Literal
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import HeadlineOp, ProfileResult
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, run_job
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.traces import analyze_trace_cached, scrub_trace
@@ -35,9 +36,10 @@ def _failure(job) -> str:
 async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, warmup, active,
                        device, timeout_s, progress) -> Path:
     trace = job_dir / "trace.json"
-    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    device, env, visible = job_placement(device)
     job = await run_job(JobSpec(
         argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"], job_dir=job_dir, env=env,
+        visible_devices=visible,
         timeout_s=timeout_s,
         request={"trace_file": str(trace), "task": task, "candidate": candidate, "shape": shape,
                  "script": script, "args": args, "warmup": warmup, "active": active, "device": device},

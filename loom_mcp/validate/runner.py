@@ -20,6 +20,7 @@ from typing import Any
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobResult, JobSpec, run_job
 from loom_mcp.validate.static_checks import check_candidate_source
 
@@ -59,7 +60,7 @@ async def validate_candidate(
 
     findings: list[Finding] = list(check_candidate_source(candidate.read_text(), str(candidate)))
     job_dir.mkdir(parents=True, exist_ok=True)
-    env = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
     tol_table.update(tolerances or {})
     cases_file = job_dir / "prep" / "cases.pt"
@@ -67,7 +68,7 @@ async def validate_candidate(
 
     await say("preparing inputs")
     prep = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "prep", env=env,
+        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "prep", env=env, visible_devices=visible,
         timeout_s=timeout_s,
         request={"mode": "prepare", "task": str(task), "seeds": seeds, "shapes": shapes,
                  "nonce": secrets.randbits(62), "cases_file": str(cases_file), "device": device},
@@ -83,7 +84,7 @@ async def validate_candidate(
 
     await say(f"running the candidate on {len(planned)} cases")
     cand = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand", env=env,
+        argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand", env=env, visible_devices=visible,
         timeout_s=timeout_s,
         request={"candidate": str(candidate), "cases_file": str(cases_file),
                  "outputs_file": str(outputs_file), "device": device},
@@ -102,7 +103,7 @@ async def validate_candidate(
 
     await say("computing the reference and comparing")
     comp = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref", env=env,
+        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref", env=env, visible_devices=visible,
         timeout_s=timeout_s,
         request={"mode": "compare", "task": str(task), "cases": planned,
                  "digests": prep.result["digests"], "outputs_file": str(outputs_file),
