@@ -97,10 +97,11 @@ async def benchmark_candidate(
     cases_file = job_dir / "prep" / "bench_cases.pt"
     await say("preparing rotated input sets")
     prep = await run_job(JobSpec(
-        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep", env=env, visible_devices=visible,
+        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep",
+        env={**env, "LOOM_NONCE": str(secrets.randbits(62))}, visible_devices=visible,
         timeout_s=timeout_s,
         request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
-                 "nonce": secrets.randbits(62), "cases_file": str(cases_file),
+                 "cases_file": str(cases_file),
                  "rotate_bytes": 2 * flush_bytes, "max_sets": 8},
     ), on_progress=progress)
     if not prep.ok or not prep.result or prep.result.get("error"):

@@ -6,6 +6,10 @@
    saves its outputs.
 3. `reference.compare` (trusted): regenerates the inputs from their seeds, computes the
    reference (native and float64) and compares.
+All three start together so imports and device setup overlap; steps 2 and 3 wait for a go-file
+signed with a token only they hold (in their environment), published when the step before them
+has exited. The seed nonce travels in the environment too: files under the server's home are
+readable by a candidate running as the same user, a process's environment is not.
 The static checks read the candidate's source without running it.
 """
 
@@ -17,6 +21,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
@@ -66,59 +72,124 @@ async def validate_candidate(
     cases_file = job_dir / "prep" / "cases.pt"
     outputs_file = job_dir / "cand" / "outputs.pt"
 
-    await say("preparing inputs")
-    prep = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "prep", env=env, visible_devices=visible,
-        timeout_s=timeout_s,
-        request={"mode": "prepare", "task": str(task), "seeds": seeds, "shapes": shapes,
-                 "nonce": secrets.randbits(62), "cases_file": str(cases_file), "device": device},
-    ), on_progress=progress)
-    if not prep.ok or not prep.result or prep.result.get("error"):
-        detail = (prep.result or {}).get("error") or _job_failure("task", prep)
-        if "unknown shape" in detail:
-            raise LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0])
-        raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare inputs: {detail}")
-    planned: list[dict] = prep.result["cases"]
-    log.info("validation %s: prepare %.2f s (worker %.2f s)", validation_id, prep.wall_s,
-             prep.result.get("seconds") or 0.0)
+    # All three processes start now, so their imports and device setup overlap; each one past the
+    # first waits for a signed go-file that is published only when the previous step has exited.
+    token = secrets.token_hex(32)
+    nonce = str(secrets.randbits(62))
+    signals = job_dir / "signals"
+    signals.mkdir(exist_ok=True)
+    specs = {
+        "prep": JobSpec(
+            argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "prep",
+            env={**env, "LOOM_NONCE": nonce}, visible_devices=visible, timeout_s=timeout_s,
+            request={"mode": "prepare", "task": str(task), "seeds": seeds, "shapes": shapes,
+                     "cases_file": str(cases_file), "device": device}),
+        "cand": JobSpec(
+            argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
+            env={**env, "LOOM_GO_SIGNER": token}, visible_devices=visible, timeout_s=timeout_s,
+            request={"candidate": str(candidate), "cases_file": str(cases_file),
+                     "outputs_file": str(outputs_file), "device": device,
+                     "go_file": str(signals / "cand.go")}),
+        "comp": JobSpec(
+            argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref",
+            env={**env, "LOOM_GO_SIGNER": token}, visible_devices=visible, timeout_s=timeout_s,
+            request={"mode": "compare", "task": str(task), "outputs_file": str(outputs_file),
+                     "device": device, "tolerances": tol_table, "go_file": str(signals / "comp.go")}),
+    }
+    jobs = StepJobs(specs, progress)
 
-    await say(f"running the candidate on {len(planned)} cases")
-    cand = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand", env=env, visible_devices=visible,
-        timeout_s=timeout_s,
-        request={"candidate": str(candidate), "cases_file": str(cases_file),
-                 "outputs_file": str(outputs_file), "device": device},
-    ), on_progress=progress)
-    cand_result = cand.result if cand.ok and cand.result else None
-    log.info("validation %s: candidate %.2f s (worker %.2f s)", validation_id, cand.wall_s,
-             (cand_result or {}).get("seconds") or 0.0)
-    if cand_result is None:
-        findings.append(Finding(check="validation.crash", severity="error",
-                                message=_job_failure("candidate", cand)))
-    elif cand_result.get("load_error"):
-        findings.append(Finding(check="validation.import", severity="error",
-                                message="the candidate failed to import: " + cand_result["load_error"]))
-    if cand_result is None or cand_result.get("load_error") or not outputs_file.exists():
-        return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
+    async def steps() -> ValidationEvidence | tuple[list[dict], dict, JobResult]:
+        await say("preparing inputs")
+        prep = await jobs.result("prep")
+        if not prep.ok or not prep.result or prep.result.get("error"):
+            detail = (prep.result or {}).get("error") or _job_failure("task", prep)
+            if "unknown shape" in detail:
+                raise LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0].removeprefix("ValueError: "))
+            raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare inputs: {detail}")
+        planned: list[dict] = prep.result["cases"]
+        log.info("validation %s: prepare %.2f s (worker %.2f s)", validation_id, prep.wall_s,
+                 prep.result.get("seconds") or 0.0)
 
-    await say("computing the reference and comparing")
-    comp = await run_job(JobSpec(
-        argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref", env=env, visible_devices=visible,
-        timeout_s=timeout_s,
-        request={"mode": "compare", "task": str(task), "cases": planned,
-                 "digests": prep.result["digests"], "outputs_file": str(outputs_file),
-                 "device": device, "tolerances": tol_table},
-    ), on_progress=progress)
-    if not comp.ok or not comp.result or comp.result.get("error"):
-        detail = (comp.result or {}).get("error") or _job_failure("reference", comp)
-        raise LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
+        publish_go(signals / "cand.go", {}, token)
+        await say(f"running the candidate on {len(planned)} cases")
+        cand = await jobs.result("cand")
+        cand_result = cand.result if cand.ok and cand.result else None
+        log.info("validation %s: candidate %.2f s (worker %.2f s)", validation_id, cand.wall_s,
+                 (cand_result or {}).get("seconds") or 0.0)
+        if cand_result is None:
+            findings.append(Finding(check="validation.crash", severity="error",
+                                    message=_job_failure("candidate", cand)))
+        elif cand_result.get("load_error"):
+            findings.append(Finding(check="validation.import", severity="error",
+                                    message="the candidate failed to import: " + cand_result["load_error"]))
+        if cand_result is None or cand_result.get("load_error") or not outputs_file.exists():
+            return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
+        publish_go(signals / "comp.go", {"cases": planned, "digests": prep.result["digests"]}, token)
+        await say("computing the reference and comparing")
+        comp = await jobs.result("comp")
+        if not comp.ok or not comp.result or comp.result.get("error"):
+            detail = (comp.result or {}).get("error") or _job_failure("reference", comp)
+            raise LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
+        return planned, cand_result, comp
+
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+        jobs.start_all(tg)
+        try:
+            outcome["value"] = await steps()
+        except LoomError as exc:  # raised after the group, so it is not wrapped in a group
+            outcome["error"] = exc
+        finally:
+            tg.cancel_scope.cancel()  # ends any job still waiting for a go that will not come
+    if "error" in outcome:
+        raise outcome["error"]
+    if isinstance(outcome["value"], ValidationEvidence):
+        return outcome["value"]
+    planned, cand_result, comp = outcome["value"]
     log.info("validation %s: compare %.2f s (worker %.2f s)", validation_id, comp.wall_s,
              comp.result.get("seconds") or 0.0)
     cases = build_cases(planned, cand_result["cases"], comp.result["cases"], findings)
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
+
+
+class StepJobs:
+    """Sandboxed jobs started together; each step's result is awaited when the step is due."""
+
+    def __init__(self, specs: dict[str, JobSpec], progress: Progress | None) -> None:
+        self.specs = specs
+        self.progress = progress
+        self.results: dict[str, JobResult] = {}
+        self.done = {name: anyio.Event() for name in specs}
+
+    def start_all(self, tg) -> None:
+        for name in self.specs:
+            tg.start_soon(self._run, name)
+
+    async def _run(self, name: str) -> None:
+        # Progress from the first job only: the others would repeat the same heartbeat.
+        report = self.progress if name == next(iter(self.specs)) else None
+        self.results[name] = await run_job(self.specs[name], on_progress=report)
+        self.done[name].set()
+
+    async def result(self, name: str) -> JobResult:
+        await self.done[name].wait()
+        return self.results[name]
+
+
+def publish_go(path: Path, payload: dict, token: str) -> None:
+    """Atomically write a go-file signed with the token only the waiting worker holds."""
+    import hashlib
+    import hmac
+    import json
+
+    body = json.dumps(payload)
+    mac = hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"payload": body, "mac": mac}))
+    tmp.rename(path)
 
 
 def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],

@@ -24,6 +24,7 @@ from loom_mcp.worker.harness import (
     tensor_digest,
     to_device,
     user_traceback,
+    wait_for_go,
 )
 from loom_mcp.worker.protocol import read_request, send_result
 
@@ -115,6 +116,8 @@ def main() -> None:
     except Exception as exc:
         send_result({"load_error": user_traceback(exc, request["candidate"]), "cases": []})
         return
+    if request.get("go_file"):
+        wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
     cases = torch.load(request["cases_file"], weights_only=True)["cases"]
     reports, outputs = [], []
     for case in cases:

@@ -136,6 +136,34 @@ def as_output_list(out: Any) -> list:
     return [out]
 
 
+def wait_for_go(path: str | Path, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Block until the orchestrator publishes this step's go-file, check its MAC, return its payload.
+
+    Workers start early so their imports and device setup overlap the previous step. The file
+    sits where a candidate running as the same user could write, so it is signed with a token
+    that only this process received, in its environment (invisible from another pid namespace).
+    """
+    import hashlib
+    import hmac
+    import json
+    import os
+    import time
+
+    path = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go signal at {path}")
+        time.sleep(0.01)
+    message = json.loads(path.read_text())
+    token = os.environ.get("LOOM_GO_SIGNER", "").encode()
+    payload = message["payload"].encode()
+    expected = hmac.new(token, payload, hashlib.sha256).hexdigest()
+    if not token or not hmac.compare_digest(expected, message.get("mac", "")):
+        raise PermissionError(f"go signal at {path} is not signed by the server")
+    return json.loads(payload)
+
+
 def user_traceback(exc: BaseException, user_file: str, limit_chars: int = 1500) -> str:
     """The exception with only the frames inside the user's file: what the agent can fix."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == user_file]

@@ -33,6 +33,7 @@ from loom_mcp.worker.harness import (
     tensor_digest,
     to_device,
     user_traceback,
+    wait_for_go,
 )
 from loom_mcp.worker.protocol import read_request, send_result
 
@@ -56,6 +57,17 @@ def derive_seed(nonce: int, shape_name: str, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def secret_nonce(request: dict) -> int:
+    """The seed nonce comes in the environment, not the request file: files under the server's
+    home are readable by a candidate running as the same user; this process's environment is not."""
+    import os
+
+    value = os.environ.get("LOOM_NONCE") or request.get("nonce")
+    if value is None:
+        raise ValueError("no seed nonce given")
+    return int(value)
+
+
 def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dict]:
     shapes = task_shapes(task)
     if only:
@@ -71,7 +83,7 @@ def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dic
 
 def prepare(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
-    cases = plan_cases(task, request["seeds"], request.get("shapes"), request["nonce"])
+    cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
     prepared, digests = [], []
     for case in cases:
         inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
@@ -102,13 +114,14 @@ def prepare_bench(request: dict) -> dict:
     """Input sets per shape for timing: enough distinct sets that together they exceed the L2,
     so a rotated input is never cache-resident (capped to bound memory)."""
     task = load_module(request["task"], "loom_task")
-    shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), request["nonce"])]
+    nonce = secret_nonce(request)
+    shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), nonce)]
     target = int(request.get("rotate_bytes") or 0)
     out, meta = [], []
     for shape in shapes:
         sets = []
         for i in range(request.get("max_sets", 8)):
-            seed = derive_seed(request["nonce"], shape["name"], 1000 + i)
+            seed = derive_seed(nonce, shape["name"], 1000 + i)
             inputs, init_inputs = make_case(task, shape, seed, "normal")
             if i == 0:
                 model = build_reference(task, init_inputs, seed)
@@ -211,6 +224,11 @@ def degenerate(native: list[torch.Tensor]) -> bool:
 def compare(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     device = pick_device(request.get("device"))
+    if device.type == "cuda":
+        torch.zeros(1, device=device)  # create the context while the candidate still runs
+    if request.get("go_file"):
+        # Started early; the plan arrives once the candidate's process has exited.
+        request = {**request, **wait_for_go(request["go_file"])}
     tolerances = {canonical_key(k): v for k, v in (request.get("tolerances") or {}).items()}
     task_tol = getattr(task, "TOLERANCE", None)
     if isinstance(task_tol, dict):
