@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -110,7 +112,10 @@ async def benchmark_candidate(
     shape_meta: list[dict] = prep.result["shapes"]
 
     token = secrets.token_hex(16)
-    sock_path = job_dir / "arms.sock"
+    # AF_UNIX paths are limited to ~107 bytes; a deep LOOM_HOME would overflow it, so the socket
+    # lives in a short private directory of its own.
+    sock_dir = Path(tempfile.mkdtemp(prefix="loom-", dir="/tmp" if Path("/tmp").is_dir() else None))
+    sock_path = sock_dir / "arms.sock"
     arms_spec = {
         "baseline": (baseline or task, "ModelNew" if baseline else "Model"),
         "candidate": (candidate, "ModelNew"),
@@ -123,51 +128,54 @@ async def benchmark_candidate(
     proof_note: str | None = None
     arm_results: dict[str, Any] = {}
 
-    async with await anyio.create_unix_listener(sock_path) as listener:
-        async def launch(role: str) -> None:
-            module, class_name = arms_spec[role]
-            arm_results[role] = await run_job(JobSpec(
-                argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env, visible_devices=visible,
-                timeout_s=timeout_s,
-                request={"role": role, "module": str(module), "class_name": class_name,
-                         "cases_file": str(cases_file), "socket": str(sock_path), "token": token,
-                         "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S},
-            ))
+    try:
+        async with await anyio.create_unix_listener(sock_path) as listener:
+            async def launch(role: str) -> None:
+                module, class_name = arms_spec[role]
+                arm_results[role] = await run_job(JobSpec(
+                    argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env, visible_devices=visible,
+                    timeout_s=timeout_s,
+                    request={"role": role, "module": str(module), "class_name": class_name,
+                             "cases_file": str(cases_file), "socket": str(sock_path), "token": token,
+                             "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S},
+                ))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(launch, "baseline")
-            tg.start_soon(launch, "candidate")
-            arms: dict[str, ArmConnection] = {}
-            try:
-                with anyio.fail_after(min(timeout_s, 300)):
-                    while len(arms) < 2:
-                        stream = await listener.accept()
-                        conn = ArmConnection(stream, "?")
-                        hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
-                        if hello.get("hello") != token or hello.get("role") not in arms_spec:
-                            await stream.aclose()
-                            continue
-                        conn.role = hello["role"]
-                        if hello.get("error"):
-                            raise ArmError(conn.role, hello["error"])
-                        arms[conn.role] = conn
-                graph_used, proof, proof_note = await _run_pairs(
-                    arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
-            except ArmError as exc:
-                tg.cancel_scope.cancel()
-                code = ErrorCode.BAD_INPUT
-                raise LoomError(code, f"the {exc.role} arm failed: {exc}") from exc
-            except TimeoutError as exc:
-                tg.cancel_scope.cancel()
-                raise LoomError(ErrorCode.TIMEOUT, "a benchmark arm stopped answering") from exc
-            finally:
-                for conn in arms.values():
-                    with anyio.move_on_after(5):
-                        try:
-                            await conn.ask({"op": "quit"}, 5)
-                        except Exception:
-                            pass
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(launch, "baseline")
+                tg.start_soon(launch, "candidate")
+                arms: dict[str, ArmConnection] = {}
+                try:
+                    with anyio.fail_after(min(timeout_s, 300)):
+                        while len(arms) < 2:
+                            stream = await listener.accept()
+                            conn = ArmConnection(stream, "?")
+                            hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
+                            if hello.get("hello") != token or hello.get("role") not in arms_spec:
+                                await stream.aclose()
+                                continue
+                            conn.role = hello["role"]
+                            if hello.get("error"):
+                                raise ArmError(conn.role, hello["error"])
+                            arms[conn.role] = conn
+                    graph_used, proof, proof_note = await _run_pairs(
+                        arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
+                except ArmError as exc:
+                    tg.cancel_scope.cancel()
+                    code = ErrorCode.BAD_INPUT
+                    raise LoomError(code, f"the {exc.role} arm failed: {exc}") from exc
+                except TimeoutError as exc:
+                    tg.cancel_scope.cancel()
+                    raise LoomError(ErrorCode.TIMEOUT, "a benchmark arm stopped answering") from exc
+                finally:
+                    for conn in arms.values():
+                        with anyio.move_on_after(5):
+                            try:
+                                await conn.ask({"op": "quit"}, 5)
+                            except Exception:
+                                pass
 
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
     shape_samples = [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],
