@@ -26,6 +26,11 @@ import torch
 from loom_mcp.worker.harness import as_output_list, load_module, pick_device, synchronize, to_device
 from loom_mcp.worker.protocol import read_request, send_result
 
+# Cycles the stream is held before each timed call, so the call's launches are already queued
+# when the start event fires. ~100 us at H200 clocks: Python-side Triton launches take tens of
+# microseconds, and a shorter hold let their launch latency leak into the timing.
+HOLD_CYCLES = 200_000
+
 # Bound before the candidate is imported: a candidate that replaces these module attributes
 # does not change what the harness calls, and the replacement is detected and reported.
 _perf_counter = time.perf_counter
@@ -124,7 +129,7 @@ class Arm:
         self._flush()
         if self.gpu:
             start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-            torch.cuda._sleep(20_000)
+            torch.cuda._sleep(HOLD_CYCLES)
             start.record()
             self._launch(set_index)
             end.record()
@@ -165,7 +170,7 @@ class Arm:
             for i in range(1, sets):
                 self._flush()
                 start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-                torch.cuda._sleep(20_000)  # keeps the GPU busy while the launches below queue up
+                torch.cuda._sleep(HOLD_CYCLES)  # keeps the GPU busy while the launches below queue up
                 start.record()
                 outputs.append(self._launch(i))
                 end.record()
