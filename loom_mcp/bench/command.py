@@ -1,0 +1,987 @@
+"""benchmark, command mode: A/B of two commands whose output carries the metrics.
+
+Each command runs `runs` times in the sandbox, a fresh process per run, alternating in ABBA order
+(pair i runs baseline then candidate when i is even, candidate then baseline when it is odd), so
+a linear drift (warming device, filling caches, a neighbour ramping up) costs both arms alike.
+Pair i is (baseline run i, candidate run i); statistics are paired, as in the kernel benchmark.
+
+Where the metrics come from (`parser`):
+
+* ``json``: the last line of stdout that is a JSON object (a pretty-printed object starting at
+  the beginning of a line also counts). Nested objects are flattened with dots: ``{"a": {"b":
+  1}}`` gives metric ``a.b``. Lists are kept only to say "is a list" when one is asked for.
+* ``vllm``: the JSON of ``vllm bench serve --save-result`` (also ``benchmarks/
+  benchmark_serving.py``): request_throughput, output_throughput, total_token_throughput,
+  {mean,median,std,p99}_{ttft,tpot,itl,e2el}_ms, completed, failed, ... A run with failed
+  requests (``failed > 0``) or none completed counts as a failed run: errors are fast, and a
+  candidate that drops requests must not look like a faster one.
+* ``sglang``: one line of ``python -m sglang.bench_serving`` (its ``--output-file`` is JSONL, one
+  record appended per run: the last record is this run's): request_throughput,
+  input_throughput, output_throughput, {mean,median,p99}_e2e_latency_ms, *_ttft_ms, *_itl_ms,
+  ...; or the records of ``python -m sglang.bench_one_batch --result-filename``. One-batch
+  records of several configurations are all read, their metrics prefixed by what differs
+  (``bs8.median_decode_throughput``, ``bs8_in512.prefill_latency``).
+* ``auto``: the json extraction, then vLLM or SGLang recognised by their keys, else plain json.
+  Each arm is recognised on its own, so vLLM can be compared with SGLang (name the shared
+  metrics).
+
+``metrics_file``: vLLM and SGLang write their JSON to a file, not to stdout. ``metrics_file`` is
+a path relative to the run's working directory (``cwd`` when given, else the run's own fresh
+directory, which is also its TMPDIR), read instead of stdout. With ``cwd``, the file must not
+exist before the first run (a stale result would be read as fresh: [BAD_INPUT]); after every run
+it is moved into that run's directory under the job dir, so the next run starts without it and
+each run's raw output is kept. Without ``cwd``, every run writes into its own directory anyway.
+
+Metrics and direction: ``metrics`` names what to compare; ``"name:higher"`` / ``"name:lower"``
+states the direction. Without a suffix the direction comes from a table of known names (vLLM,
+SGLang), then from the name: throughput, goodput, bandwidth, speedup, accuracy, flops,
+``*_per_s``, ``*tok_s``, ``*/s`` and the whole words tps/qps/rps are higher-is-better;
+``*_ms``/``*_s``/``*_us``/``*_ns``, latency, duration, elapsed and the whole words ttft, tpot,
+itl, e2el, time are lower-is-better. A metric whose direction cannot be told is refused before
+anything runs. ``metrics=None`` picks the parser's headline metrics (vLLM / SGLang), or every
+numeric key of known direction (json), present and positive in the first run of both arms, at
+most 8 (each metric costs ~460 bytes of result).
+
+Per metric and arm: a SampleSummary (median, mean, std, ...; four significant digits) and the
+bootstrap CI of the median (``baseline_ci`` / ``candidate_ci``) at the gate's CI level.
+
+The ratio is an improvement factor, > 1 meaning the candidate is better: candidate/baseline of
+the medians for a higher-is-better metric, baseline/candidate for a lower-is-better one. Both
+come from `stats.ratio_ci` (median(first)/median(second), paired bootstrap over the same pair
+indices), called as ``ratio_ci(candidate, baseline)`` for throughputs and ``ratio_ci(baseline,
+candidate)`` for times: swapping the arms, not inverting the values, because the median of
+reciprocals is not the reciprocal of the median for an even number of runs.
+
+Failures (decided here):
+
+* A command whose first run fails (non-zero exit, signal, timeout, vLLM/SGLang failed requests)
+  is broken, not flaky: [BAD_INPUT] at once, with the exit status and the end of its stderr.
+  Warmup runs are first runs.
+* A later failed run is recorded in ``failed_runs``, its pair is dropped (a partner that has not
+  run yet is skipped), and the benchmark goes on with fewer pairs (``runs_per_arm``). More than
+  ``max(1, runs // 5)`` failed runs: [BAD_INPUT] listing them.
+* Output that cannot be read (no JSON, a missing metric, a value that is not a positive finite
+  number, a missing ``metrics_file``) is deterministic, never flaky: [BAD_INPUT] at once, naming
+  the arm, the run and the metric, and listing the metrics that are there.
+
+Every run's parsed values, exit status and wall time go to ``<job_dir>/samples.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import anyio.to_thread
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from loom_mcp.bench.stats import ratio_ci, summarize
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import Finding, GateConfig, RatioCI, SampleSummary
+from loom_mcp.sandbox import JobResult, JobSpec, run_job
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], Awaitable[None]]
+Arm = Literal["baseline", "candidate"]
+ParserName = Literal["auto", "json", "vllm", "sglang"]
+Kind = Literal["json", "vllm", "sglang"]
+
+MIN_RUNS = 3
+MAX_RUNS = 200
+MAX_WARMUP = 10
+MAX_METRICS = 20
+MAX_DEFAULT_METRICS = 8
+# vLLM/SGLang print progress bars and tables before their JSON; a --save-detailed result holds
+# per-request lists. 4 MiB of stdout tail and 64 MiB of file cover both with room.
+MAX_STDOUT_BYTES = 4 << 20
+MAX_METRICS_FILE_BYTES = 64 << 20
+# Four significant digits (0.1 %) are finer than any run-to-run noise a command shows, and keep
+# ten metrics near 4 KB.
+_SIG_DIGITS = 4
+_MAX_JSON_STARTS = 200  # lines tried as the start of a pretty-printed object, from the end
+_STDERR_IN_ERROR = 600
+
+# Runs python itself (not a shell) to enter `cwd`, then becomes the command. JobSpec has no cwd:
+# the run directory is the worker's cwd and TMPDIR. Python ignores SIGPIPE and SIGXFSZ and
+# ignored signals survive exec, so the defaults are restored first, as the sandbox launcher does.
+_CHDIR_EXEC = """\
+import os, signal, sys
+for s in (signal.SIGPIPE, signal.SIGXFSZ):
+    signal.signal(s, signal.SIG_DFL)
+os.chdir(sys.argv[1])
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    sys.stderr.write(f"cannot execute {sys.argv[2]!r}: {exc.strerror}\\n")
+sys.exit(127)
+"""
+
+
+# ---------------------------------------------------------------- result models
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MetricComparison(_Model):
+    name: str
+    higher_is_better: bool
+    baseline: SampleSummary
+    baseline_ci: list[float] = Field(
+        description="[low, high]: bootstrap CI of the baseline median, at the ratio's level"
+    )
+    candidate: SampleSummary
+    candidate_ci: list[float] = Field(description="[low, high]: the same for the candidate")
+    ratio: RatioCI = Field(
+        description="Improvement factor, > 1 = candidate better: candidate/baseline of the "
+        "medians when higher is better, baseline/candidate when lower is better"
+    )
+
+
+class RunFailure(_Model):
+    arm: Arm
+    run: int = Field(description="1-based run index of that arm")
+    reason: str
+
+
+class CommandBenchmarkResult(_Model):
+    metrics: list[MetricComparison]
+    runs_per_arm: int = Field(description="Complete A/B pairs the statistics use")
+    runs_requested: int
+    failed_runs: list[RunFailure] = Field(
+        description="Runs that failed after the first; their pairs were dropped"
+    )
+    parser_used: str = Field(
+        description="'json', 'vllm' or 'sglang'; 'baseline=vllm candidate=sglang' if they differ"
+    )
+    findings: list[Finding] = Field(default_factory=list)
+    samples_file: str = Field(description="Every run's parsed values, exit status and wall time")
+    seconds: float
+    next_step: str
+
+
+# ---------------------------------------------------------------- metric names and direction
+
+# Exact names whose direction is known (vLLM serve, SGLang bench_serving / bench_one_batch).
+_HIGHER = frozenset(
+    {
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "input_throughput",
+        "total_throughput",
+        "output_throughput_retokenized",
+        "total_throughput_retokenized",
+        "max_output_tokens_per_s",
+        "prefill_throughput",
+        "median_decode_throughput",
+        "overall_throughput",
+        "accept_length",
+    }
+)
+_LOWER = frozenset({"duration", "failed", "prefill_latency", "median_decode_latency"})
+# Judged on whole tokens where a substring would misfire ("rps" in "num_warps").
+_HIGHER_SUBSTRINGS = ("throughput", "goodput", "bandwidth", "speedup", "accuracy", "flops")
+_HIGHER_TOKENS = frozenset({"tps", "qps", "rps", "gbps", "tbps", "toks"})
+_HIGHER_SUFFIXES = ("_per_s", "_per_sec", "_per_second", "/s", "tok_s", "tokens_s")
+_LOWER_SUFFIXES = ("_ms", "_us", "_ns", "_s", "_sec", "_secs", "_seconds")
+_LOWER_SUBSTRINGS = ("latency", "duration", "elapsed")
+_LOWER_TOKENS = frozenset({"ttft", "tpot", "itl", "e2el", "time", "runtime", "wall"})
+
+# Headline metrics picked when `metrics` is None, in the order they are reported. One run's
+# throughputs share its duration (request, output and total throughput move together for a fixed
+# workload), so two are enough; latencies get a median and a tail. ~460 bytes per metric.
+_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "vllm": (
+        "output_throughput",
+        "total_token_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "median_e2el_ms",
+    ),
+    "sglang": (
+        "output_throughput",
+        "input_throughput",
+        "median_e2e_latency_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_itl_ms",
+        # bench_one_batch
+        "median_decode_throughput",
+        "prefill_throughput",
+        "median_decode_latency",
+        "prefill_latency",
+        "overall_throughput",
+        "total_latency",
+    ),
+}
+
+
+def metric_direction(name: str) -> bool | None:
+    """True when higher is better, False when lower is, None when the name does not say.
+
+    Judged on the last dotted component (flattened JSON, one-batch prefixes), lower-cased.
+    Higher-is-better words are tried first so "tokens_per_s" is not read as a time in seconds.
+    """
+    leaf = name.rsplit(".", 1)[-1].lower()
+    if leaf in _HIGHER:
+        return True
+    if leaf in _LOWER:
+        return False
+    tokens = set(re.split(r"[^a-z0-9]+", leaf))
+    if (
+        any(word in leaf for word in _HIGHER_SUBSTRINGS)
+        or tokens & _HIGHER_TOKENS
+        or leaf.endswith(_HIGHER_SUFFIXES)
+    ):
+        return True
+    if (
+        leaf.endswith(_LOWER_SUFFIXES)
+        or any(word in leaf for word in _LOWER_SUBSTRINGS)
+        or tokens & _LOWER_TOKENS
+    ):
+        return False
+    return None
+
+
+def parse_metric_specs(metrics: Sequence[str]) -> list[tuple[str, bool]]:
+    """`["tok_s", "mem:lower"]` -> [(name, higher_is_better)]; unknown directions are refused."""
+    if len(metrics) > MAX_METRICS:
+        raise LoomError(ErrorCode.BAD_INPUT, f"at most {MAX_METRICS} metrics, got {len(metrics)}")
+    specs: list[tuple[str, bool]] = []
+    seen: set[str] = set()
+    for raw in metrics:
+        name, _, suffix = raw.rpartition(":")
+        if suffix in ("higher", "lower") and name:
+            higher: bool | None = suffix == "higher"
+        else:
+            name, higher = raw, metric_direction(raw)
+        name = name.strip()
+        if not name:
+            raise LoomError(ErrorCode.BAD_INPUT, f"empty metric name in {raw!r}")
+        if name in seen:
+            raise LoomError(ErrorCode.BAD_INPUT, f"metric {name!r} is named twice")
+        if higher is None:
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"cannot tell whether higher or lower is better for metric {name!r}: "
+                f"write '{name}:higher' or '{name}:lower'",
+            )
+        seen.add(name)
+        specs.append((name, higher))
+    return specs
+
+
+# ---------------------------------------------------------------- output parsing
+
+
+class OutputError(ValueError):
+    """The output of a run cannot be read as metrics (deterministic: never retried)."""
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested objects become dotted keys; leaves (lists included) are kept as they are."""
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def last_json_object(text: str) -> dict[str, Any] | None:
+    """The last JSON object in `text` that starts at the beginning of a line.
+
+    Scanning from the end, each line starting with '{' is decoded from there on (trailing text
+    after the object is ignored), so a one-line object, a pretty-printed one, or a JSONL file's
+    last record all work, and log lines around them do not matter.
+    """
+    decoder = json.JSONDecoder()
+    lines = text.splitlines(keepends=True)
+    offsets: list[int] = []
+    pos = 0
+    for line in lines:
+        offsets.append(pos)
+        pos += len(line)
+    tried = 0
+    for line, start in zip(reversed(lines), reversed(offsets)):
+        if not line.startswith("{"):
+            continue
+        tried += 1
+        if tried > _MAX_JSON_STARTS:
+            break
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    # A whole document that is a list of records (a results array): its last object.
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(whole, list):
+        records = [item for item in whole if isinstance(item, dict)]
+        return records[-1] if records else None
+    return whole if isinstance(whole, dict) else None
+
+
+def _jsonl_objects(text: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                out.append(value)
+    return out
+
+
+def _is_one_batch(obj: dict[str, Any]) -> bool:
+    return "prefill_latency" in obj and "overall_throughput" in obj
+
+
+def detect_kind(obj: dict[str, Any]) -> Kind:
+    """vLLM or SGLang by the keys only they write; anything else is plain json.
+
+    SGLang's markers are checked first: its bench_serving started as a copy of vLLM's and
+    shares most names, while input_throughput, *_e2e_latency_ms and the retokenized counts are
+    its own. vLLM's own: total_token_throughput, endpoint_type, tokenizer_id.
+    """
+    if _is_one_batch(obj):
+        return "sglang"
+    if "request_throughput" in obj:
+        if any(
+            k in obj
+            for k in (
+                "input_throughput",
+                "median_e2e_latency_ms",
+                "total_output_tokens_retokenized",
+            )
+        ):
+            return "sglang"
+        if any(k in obj for k in ("total_token_throughput", "endpoint_type", "tokenizer_id")):
+            return "vllm"
+    return "json"
+
+
+def _one_batch_values(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metrics of bench_one_batch records; several configurations get a prefix each."""
+    fields = (("batch_size", "bs"), ("input_len", "in"), ("output_len", "out"))
+    # A configuration written twice keeps its latest record (the file is appended to).
+    latest: dict[tuple[str, ...], dict[str, Any]] = {}
+    for record in records:
+        if _is_one_batch(record):
+            key = tuple(repr(record.get(k)) for k, _ in fields)
+            latest.pop(key, None)
+            latest[key] = record
+    configs = list(latest.values())
+    if len(configs) <= 1:
+        return flatten(configs[-1]) if configs else {}
+    varying = [(k, tag) for k, tag in fields if len({repr(r.get(k)) for r in configs}) > 1]
+    out: dict[str, Any] = {}
+    for record in configs:
+        prefix = "_".join(f"{tag}{record.get(k)}" for k, tag in varying)
+        out.update(flatten(record, prefix + "."))
+    return out
+
+
+@dataclass
+class ParsedOutput:
+    kind: Kind
+    values: dict[str, Any]
+    problem: str | None = None  # set when the tool itself reports failed work
+
+
+def parse_output(text: str, parser: ParserName) -> ParsedOutput:
+    """Metrics of one run's output (stdout or metrics_file). Raises OutputError."""
+    obj = last_json_object(text)
+    if obj is None:
+        raise OutputError("has no JSON object (a line starting with '{')")
+    detected = detect_kind(obj)
+    kind: Kind = detected if parser == "auto" else parser
+    if parser in ("vllm", "sglang") and detected != parser:
+        expected = "request_throughput and vLLM's total_token_throughput"
+        if parser == "sglang":
+            expected = "bench_serving's request_throughput/input_throughput or bench_one_batch's prefill_latency/overall_throughput"
+        raise OutputError(f"does not look like {parser} output (no {expected})")
+    if kind == "sglang" and _is_one_batch(obj):
+        values = _one_batch_values(_jsonl_objects(text) or [obj])
+    else:
+        values = flatten(obj)
+    return ParsedOutput(kind, values, _tool_problem(kind, values))
+
+
+def _tool_problem(kind: Kind, values: dict[str, Any]) -> str | None:
+    if kind not in ("vllm", "sglang") or "completed" not in values:
+        return None
+    completed, failed = values.get("completed"), values.get("failed")
+    if _numeric(failed) and failed > 0:
+        total = completed + failed if _numeric(completed) else "?"
+        return f"{kind} reports {failed} of {total} requests failed"
+    if _numeric(completed) and completed <= 0:
+        return f"{kind} reports no request completed"
+    return None
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return type(value).__name__
+
+
+def _available(values: dict[str, Any], limit: int = 25) -> str:
+    names = [k for k, v in values.items() if _numeric(v)]
+    shown = ", ".join(names[:limit])
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return (shown + more) if names else "no numeric values"
+
+
+def metric_value(values: dict[str, Any], name: str) -> float:
+    """A metric as a positive finite float, or OutputError saying what is wrong with it."""
+    if name not in values:
+        raise OutputError(f"has no metric {name!r}; numeric metrics there: {_available(values)}")
+    value = values[name]
+    if not _numeric(value):
+        raise OutputError(f"metric {name!r} is {_describe(value)}, not a number")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise OutputError(f"metric {name!r} is {value}; a ratio needs a positive finite value")
+    return number
+
+
+def default_metrics(kind: Kind, first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """Headline metrics present, positive and of known direction in both arms' first runs."""
+
+    def usable(name: str) -> bool:
+        return all(
+            _numeric(v.get(name)) and math.isfinite(v[name]) and v[name] > 0
+            for v in (first, second)
+        )
+
+    names = [k for k in first if usable(k)]
+    headline = _DEFAULTS.get(kind)
+    if headline:
+        rank = {leaf: i for i, leaf in enumerate(headline)}
+        names = [k for k in names if k.rsplit(".", 1)[-1] in rank]
+        names.sort(key=lambda k: rank[k.rsplit(".", 1)[-1]])  # stable: prefixes keep order
+    else:
+        names = [k for k in names if metric_direction(k) is not None]
+    return names[:MAX_DEFAULT_METRICS]
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass
+class _Run:
+    arm: Arm
+    index: int  # 1-based within the arm; 0 for warmup
+    seq: int
+    wall_s: float
+    status: str
+    failure: str | None = None
+    parsed: ParsedOutput | None = None
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def _status(res: JobResult, timeout_s: float) -> str:
+    if res.timed_out:
+        return f"timed out after {timeout_s:g} s"
+    if res.signal:
+        return f"killed by {res.signal}"
+    return f"exit code {res.returncode}"
+
+
+def _stderr_tail(res: JobResult, limit: int = _STDERR_IN_ERROR) -> str:
+    tail = res.stderr_tail.strip() or res.stdout_tail.strip()
+    if not tail:
+        return ""
+    return " …" + tail[-limit:] if len(tail) > limit else " " + tail
+
+
+def _sig(x: float, digits: int = _SIG_DIGITS) -> float:
+    return float(f"{x:.{digits}g}") if math.isfinite(x) and x != 0 else x
+
+
+def _compact_summary(s: SampleSummary) -> SampleSummary:
+    # Spreads below float rounding of the median (identical runs) are reported as exact zeros.
+    tiny = 1e-9 * abs(s.median)
+    update = {k: _sig(getattr(s, k)) for k in ("median", "mean", "min", "max")}
+    for k in ("std", "stderr", "iqr", "mad"):
+        value = getattr(s, k)
+        update[k] = 0.0 if abs(value) <= tiny else _sig(value)
+    return s.model_copy(update=update)
+
+
+def median_ci(samples: Sequence[float], gate: GateConfig) -> list[float]:
+    """Percentile bootstrap CI of one arm's median, widened to hold the median itself."""
+    x = np.asarray(samples, dtype=np.float64)
+    median = float(np.median(x))
+    if x.size < 2:
+        return [median, median]
+    rng = np.random.default_rng([gate.bootstrap_seed, x.size])
+    idx = rng.integers(0, x.size, size=(gate.bootstrap_resamples, x.size))
+    alpha = 1.0 - gate.ci_level
+    lo, hi = np.quantile(np.median(x[idx], axis=1), [alpha / 2, 1 - alpha / 2])
+    return [_sig(min(float(lo), median)), _sig(max(float(hi), median))]
+
+
+def _compact_ratio(r: RatioCI) -> RatioCI:
+    return r.model_copy(update={k: _sig(getattr(r, k)) for k in ("estimate", "ci_low", "ci_high")})
+
+
+def _check_metrics_file(metrics_file: str) -> PurePosixPath:
+    rel = PurePosixPath(metrics_file.replace("\\", "/"))
+    if not metrics_file or rel.is_absolute() or ".." in rel.parts or "\0" in metrics_file:
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"metrics_file must be a relative path inside the run's directory, got {metrics_file!r}",
+        )
+    return rel
+
+
+def _read_text(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_METRICS_FILE_BYTES:
+        raise OutputError(f"is {size} bytes, more than {MAX_METRICS_FILE_BYTES}")
+    return path.read_text(errors="replace")
+
+
+class _Bench:
+    """One command-mode benchmark: runs, parsing, failure policy, then statistics."""
+
+    def __init__(
+        self,
+        *,
+        commands: dict[Arm, list[str]],
+        runs: int,
+        job_dir: Path,
+        timeout_s: float,
+        cwd: Path | None,
+        env: dict[str, str],
+        parser: ParserName,
+        metrics_file: PurePosixPath | None,
+        allow_network: bool,
+        progress: Progress | None,
+    ) -> None:
+        self.commands = commands
+        self.runs = runs
+        self.job_dir = job_dir
+        self.timeout_s = timeout_s
+        self.cwd = cwd
+        self.env = env
+        self.parser = parser
+        self.metrics_file = metrics_file
+        self.allow_network = allow_network
+        self.progress = progress
+        self.seq = 0
+        self.attempts: dict[Arm, int] = {"baseline": 0, "candidate": 0}
+        self.history: list[_Run] = []
+
+    async def say(self, message: str) -> None:
+        if self.progress is None:
+            return
+        try:
+            await self.progress(message)
+        except Exception:
+            # A failing progress sink must not take the benchmark down with it.
+            log.exception("progress callback failed")
+
+    def _argv(self, arm: Arm) -> list[str]:
+        argv = self.commands[arm]
+        if self.cwd is None:
+            return list(argv)
+        return [sys.executable, "-I", "-S", "-c", _CHDIR_EXEC, str(self.cwd), *argv]
+
+    async def run(self, arm: Arm, index: int) -> _Run:
+        self.seq += 1
+        self.attempts[arm] += 1
+        label = f"{arm} run {index}/{self.runs}" if index else f"{arm} warmup"
+        run_dir = self.job_dir / f"{self.seq:03d}-{arm}-{index or 'warmup'}"
+        spec = JobSpec(
+            argv=self._argv(arm),
+            job_dir=run_dir,
+            timeout_s=self.timeout_s,
+            env=self.env,
+            max_output_bytes=MAX_STDOUT_BYTES,
+            allow_network=self.allow_network,
+        )
+
+        async def tick(message: str) -> None:
+            await self.say(f"{label}: {message}")
+
+        res = await run_job(spec, on_progress=tick if self.progress else None)
+        record = _Run(arm, index, self.seq, res.wall_s, _status(res, self.timeout_s))
+        self.history.append(record)
+        text, source = await self._collect(res, run_dir)
+        if not res.ok:
+            record.failure = record.status + _stderr_tail(res, 200)
+            if self.attempts[arm] == 1:
+                raise LoomError(
+                    ErrorCode.BAD_INPUT,
+                    f"{label} failed ({record.status}) on its first run, so the command is "
+                    f"broken rather than flaky:{_stderr_tail(res)}",
+                )
+            return record
+        if text is None:
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"{label} exited 0 but did not write metrics_file {str(self.metrics_file)!r} "
+                f"(looked in {self.cwd or 'the run directory'})",
+            )
+        try:
+            record.parsed = parse_output(text, self.parser)
+        except OutputError as exc:
+            raise LoomError(ErrorCode.BAD_INPUT, f"{label}: {source} {exc}") from exc
+        if record.parsed.problem:
+            record.failure = record.parsed.problem
+            if self.attempts[arm] == 1:
+                raise LoomError(ErrorCode.BAD_INPUT, f"{label}: {record.parsed.problem}")
+        return record
+
+    async def _collect(self, res: JobResult, run_dir: Path) -> tuple[str | None, str]:
+        """The text to parse and where it came from; moves a metrics_file out of `cwd`."""
+        if self.metrics_file is None:
+            return res.stdout_tail, "stdout"
+        source = f"metrics_file {str(self.metrics_file)!r}"
+        path = (self.cwd or run_dir) / self.metrics_file
+        if not path.is_file():
+            return None, source
+        try:
+            text = await anyio.to_thread.run_sync(_read_text, path)
+        except OutputError as exc:
+            raise LoomError(ErrorCode.BAD_INPUT, f"{source} {exc}") from exc
+        if self.cwd is not None:
+            # Consumed: the next run must write its own, and this run's output is kept.
+            kept = run_dir / f"metrics-{self.metrics_file.name}"
+            await anyio.to_thread.run_sync(shutil.move, str(path), str(kept))
+        return text, source
+
+    def check_values(self, record: _Run, metrics: Iterable[str]) -> None:
+        assert record.parsed is not None
+        label = f"{record.arm} run {record.index}"
+        where = (
+            "stdout" if self.metrics_file is None else f"metrics_file {str(self.metrics_file)!r}"
+        )
+        for name in metrics:
+            try:
+                record.values[name] = metric_value(record.parsed.values, name)
+            except OutputError as exc:
+                raise LoomError(ErrorCode.BAD_INPUT, f"{label}: {where} {exc}") from exc
+
+
+async def benchmark_commands(
+    *,
+    baseline: list[str],
+    candidate: list[str],
+    metrics: list[str] | None,
+    runs: int,
+    job_dir: Path,
+    timeout_s: float,
+    cwd: Path | None,
+    env: dict[str, str] | None,
+    parser: ParserName,
+    progress: Progress | None = None,
+    metrics_file: str | None = None,
+    warmup: int = 0,
+    allow_network: bool = False,
+    gate: GateConfig | None = None,
+) -> CommandBenchmarkResult:
+    """Run `baseline` and `candidate` `runs` times each in ABBA order and compare their metrics.
+
+    `timeout_s` bounds each run. `warmup` unrecorded runs per arm go first (page cache, JIT and
+    compile caches). `allow_network` lets runs reach beyond their own loopback (benchmarking a
+    server started outside the run); the caller decides whether that is allowed. `gate` supplies
+    the CI level, bootstrap resamples and seed (defaults: 95 %, 5000, 0). See the module
+    docstring for parsing, direction and the failure policy.
+    """
+    started = time.monotonic()
+    gate = gate or GateConfig()
+    for arm, argv in (("baseline", baseline), ("candidate", candidate)):
+        if not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
+            raise LoomError(ErrorCode.BAD_INPUT, f"{arm} command must be a non-empty argv list")
+        if any("\0" in a for a in argv):
+            raise LoomError(ErrorCode.BAD_INPUT, f"{arm} command contains a NUL byte")
+    if not MIN_RUNS <= runs <= MAX_RUNS:
+        raise LoomError(ErrorCode.BAD_INPUT, f"runs must be {MIN_RUNS}..{MAX_RUNS}, got {runs}")
+    if not 0 <= warmup <= MAX_WARMUP:
+        raise LoomError(ErrorCode.BAD_INPUT, f"warmup must be 0..{MAX_WARMUP}, got {warmup}")
+    if not timeout_s > 0:
+        raise LoomError(ErrorCode.BAD_INPUT, f"timeout_s must be positive, got {timeout_s}")
+    if parser not in ("auto", "json", "vllm", "sglang"):
+        raise LoomError(ErrorCode.BAD_INPUT, f"unknown parser {parser!r}")
+    specs = parse_metric_specs(metrics) if metrics else None
+    run_cwd: Path | None = None
+    if cwd is not None:
+        run_cwd = Path(cwd).expanduser().resolve()
+        if not run_cwd.is_dir():
+            raise LoomError(ErrorCode.NOT_FOUND, f"cwd {run_cwd} is not a directory")
+    rel = _check_metrics_file(metrics_file) if metrics_file is not None else None
+    if rel is not None and run_cwd is not None and (run_cwd / rel).exists():
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"metrics_file {run_cwd / rel} exists before the first run: remove it, so a stale "
+            "result cannot pass for a fresh one",
+        )
+    job_dir = Path(job_dir).expanduser().resolve()
+    try:  # the env is the same for every run: refuse a bad one before anything runs
+        JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}))
+    except ValidationError as exc:
+        raise LoomError(ErrorCode.BAD_INPUT, f"env: {exc.errors()[0]['msg']}") from exc
+    job_dir.mkdir(parents=True, exist_ok=True)
+
+    bench = _Bench(
+        commands={"baseline": list(baseline), "candidate": list(candidate)},
+        runs=runs,
+        job_dir=job_dir,
+        timeout_s=timeout_s,
+        cwd=run_cwd,
+        env=dict(env or {}),
+        parser=parser,
+        metrics_file=rel,
+        allow_network=allow_network,
+        progress=progress,
+    )
+    for _ in range(warmup):
+        for arm in ("baseline", "candidate"):
+            await bench.say(f"{arm} warmup")
+            done = await bench.run(arm, 0)
+            if done.failure:  # unreachable for first runs, which raise; kept for later warmups
+                raise LoomError(ErrorCode.BAD_INPUT, f"{arm} warmup failed: {done.failure}")
+
+    max_failures = max(1, runs // 5)
+    failures: list[_Run] = []
+    pairs: list[dict[Arm, _Run]] = []
+    chosen: list[tuple[str, bool]] | None = specs
+    for i in range(runs):
+        order: tuple[Arm, Arm] = (
+            ("baseline", "candidate") if i % 2 == 0 else ("candidate", "baseline")
+        )
+        pair: dict[Arm, _Run] = {}
+        for arm in order:
+            record = await bench.run(arm, i + 1)
+            if record.failure:
+                failures.append(record)
+                await bench.say(f"{arm} run {i + 1}/{runs} failed: {record.failure[:120]}")
+                if len(failures) > max_failures:
+                    listed = "; ".join(f"{f.arm} run {f.index}: {f.failure}" for f in failures)
+                    raise LoomError(
+                        ErrorCode.BAD_INPUT,
+                        f"{len(failures)} runs failed, more than the {max_failures} allowed "
+                        f"in {runs} pairs: {listed[:1500]}",
+                    )
+                break  # the pair is lost: its partner run would measure nothing usable
+            pair[arm] = record
+        else:
+            if chosen is None:
+                chosen = _choose(pair)
+            for record in pair.values():
+                bench.check_values(record, (name for name, _ in chosen))
+            pairs.append(pair)
+            await bench.say(_pair_line(i + 1, runs, pair, chosen))
+
+    assert chosen is not None  # pair 0 always completes or raises
+    comparisons = [_compare(name, higher, pairs, gate) for name, higher in chosen]
+    kinds: dict[Arm, Kind] = {}
+    for arm in ("baseline", "candidate"):
+        parsed = pairs[0][arm].parsed
+        assert parsed is not None  # kept pairs hold parsed runs only
+        kinds[arm] = parsed.kind
+    parser_used = (
+        kinds["baseline"]
+        if kinds["baseline"] == kinds["candidate"]
+        else f"baseline={kinds['baseline']} candidate={kinds['candidate']}"
+    )
+    samples_file = job_dir / "samples.json"
+    await anyio.to_thread.run_sync(
+        _write_samples, samples_file, bench, chosen, pairs, parser_used, failures
+    )
+    findings = _findings(comparisons, pairs, kinds)
+    return CommandBenchmarkResult(
+        metrics=comparisons,
+        runs_per_arm=len(pairs),
+        runs_requested=runs,
+        failed_runs=[
+            RunFailure(arm=f.arm, run=f.index, reason=(f.failure or "")[:240]) for f in failures
+        ],
+        parser_used=parser_used,
+        findings=findings,
+        samples_file=str(samples_file),
+        seconds=round(time.monotonic() - started, 3),
+        next_step=_next_step(comparisons, len(pairs)),
+    )
+
+
+def _choose(pair: dict[Arm, _Run]) -> list[tuple[str, bool]]:
+    first, second = pair["baseline"].parsed, pair["candidate"].parsed
+    assert first is not None and second is not None
+    names = default_metrics(first.kind, first.values, second.values)
+    if not names:
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            "no metric to compare was found in both arms' first runs; name them with "
+            f"metrics=[...] (baseline has: {_available(first.values)})",
+        )
+    return [(name, bool(metric_direction(name))) for name in names]
+
+
+def _pair_line(index: int, runs: int, pair: dict[Arm, _Run], chosen: list[tuple[str, bool]]) -> str:
+    shown = []
+    for name, _ in chosen[:2]:
+        b, c = pair["baseline"].values[name], pair["candidate"].values[name]
+        shown.append(f"{name} {b:.4g} -> {c:.4g}")
+    walls = f"{pair['baseline'].wall_s:.1f}/{pair['candidate'].wall_s:.1f} s"
+    return f"pair {index}/{runs} done ({walls}): " + "; ".join(shown)
+
+
+def _compare(
+    name: str, higher: bool, pairs: list[dict[Arm, _Run]], gate: GateConfig
+) -> MetricComparison:
+    b = [p["baseline"].values[name] for p in pairs]
+    c = [p["candidate"].values[name] for p in pairs]
+    # ratio_ci returns median(first)/median(second): candidate first for throughputs, baseline
+    # first for times, so the estimate is always "> 1 = candidate better".
+    first, second = (c, b) if higher else (b, c)
+    ci = ratio_ci(
+        first,
+        second,
+        level=gate.ci_level,
+        resamples=gate.bootstrap_resamples,
+        seed=gate.bootstrap_seed,
+    )
+    return MetricComparison(
+        name=name,
+        higher_is_better=higher,
+        baseline=_compact_summary(summarize(b)),
+        baseline_ci=median_ci(b, gate),
+        candidate=_compact_summary(summarize(c)),
+        candidate_ci=median_ci(c, gate),
+        ratio=_compact_ratio(ci),
+    )
+
+
+def _findings(
+    comparisons: list[MetricComparison], pairs: list[dict[Arm, _Run]], kinds: dict[Arm, Kind]
+) -> list[Finding]:
+    findings: list[Finding] = []
+    if len(pairs) < 5:
+        findings.append(
+            Finding(
+                check="bench.command.few_runs",
+                severity="warning",
+                message=f"only {len(pairs)} pairs: the CIs are rough; 5 or more pairs are better",
+            )
+        )
+    noisy = [
+        m.name
+        for m in comparisons
+        if m.ratio.ci_low <= 1 <= m.ratio.ci_high
+        and any(s.mean > 0 and s.std / s.mean > 0.05 for s in (m.baseline, m.candidate))
+    ]
+    if noisy:
+        findings.append(
+            Finding(
+                check="bench.command.noisy",
+                severity="warning",
+                message="runs vary by more than 5 % and the CI spans 1 on "
+                + ", ".join(noisy[:5])
+                + ": add runs, lengthen each run, or quiet the machine",
+            )
+        )
+    if kinds["baseline"] != kinds["candidate"]:
+        findings.append(
+            Finding(
+                check="bench.command.parsers_differ",
+                severity="warning",
+                message=f"baseline output reads as {kinds['baseline']}, candidate as "
+                f"{kinds['candidate']}: same-named metrics may not be defined alike",
+            )
+        )
+    return findings
+
+
+def _next_step(comparisons: list[MetricComparison], pairs: int) -> str:
+    def names(ms: list[MetricComparison]) -> str:
+        shown = ", ".join(f"{m.name} x{m.ratio.estimate:.3g}" for m in ms[:4])
+        return shown + (f" (+{len(ms) - 4} more)" if len(ms) > 4 else "")
+
+    better = [m for m in comparisons if m.ratio.ci_low > 1]
+    worse = [m for m in comparisons if m.ratio.ci_high < 1]
+    unclear = [m for m in comparisons if m not in better and m not in worse]
+    parts = []
+    if better:
+        parts.append(f"candidate better on {names(better)}")
+    if worse:
+        parts.append(f"worse on {names(worse)}")
+    if unclear:
+        parts.append(
+            f"no clear difference on {names(unclear)} (CI spans 1; {pairs} pairs): add runs "
+            "if a small change matters"
+        )
+    return "; ".join(parts) + ". Ratios are improvement factors (> 1 = candidate better)."
+
+
+def _write_samples(
+    path: Path,
+    bench: _Bench,
+    chosen: list[tuple[str, bool]],
+    pairs: list[dict[Arm, _Run]],
+    parser_used: str,
+    failures: list[_Run],
+) -> None:
+    record = {
+        "baseline_command": bench.commands["baseline"],
+        "candidate_command": bench.commands["candidate"],
+        "cwd": str(bench.cwd) if bench.cwd else None,
+        "metrics_file": str(bench.metrics_file) if bench.metrics_file else None,
+        "parser_used": parser_used,
+        "metrics": [{"name": n, "higher_is_better": h} for n, h in chosen],
+        "runs": [
+            {
+                "seq": r.seq,
+                "arm": r.arm,
+                "run": r.index,
+                "status": r.status,
+                "wall_s": r.wall_s,
+                "failure": r.failure,
+                "values": r.values,
+            }
+            for r in bench.history
+        ],
+        "pairs": [{"baseline": p["baseline"].seq, "candidate": p["candidate"].seq} for p in pairs],
+        "failed": [f.seq for f in failures],
+    }
+    path.write_text(json.dumps(record, indent=1))
