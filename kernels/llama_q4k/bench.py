@@ -1,0 +1,203 @@
+"""Benchmark the Llama Q4_K model end to end and check its logits; prints one JSON line.
+
+    python -m kernels.llama_q4k.bench --gguf PATH [--prompt-len 512] [--gen 64] [--batch 1]
+    python -m kernels.llama_q4k.bench --random-config tiny|llama3-8b [...] [--device auto]
+
+Steps:
+1. Warm-up: one full generation (Triton compiles here, and on CUDA the decode step is
+   captured as a graph).
+2. `--runs` timed generations. Each one runs prefill of a random prompt, then `--gen` greedy
+   decode steps. TTFT is prefill plus the first argmax. Timing uses CUDA events on a GPU and
+   perf_counter on the CPU.
+3. Peak memory. On a GPU, torch.cuda.max_memory_allocated over building and running the model
+   (the weights load to the CPU first). On the CPU, the process's peak RSS, reading included.
+4. The logits check. One more generation keeps the logits at every position. These are
+   compared with `reference_logits`: fp32 plain PyTorch on the same dequantized weights,
+   teacher-forced with the same tokens.
+5. The bf16 baseline: the same model in plain PyTorch with bf16 dense weights, timed on prefill
+   of the same prompt.
+
+On the CPU, the kernel candidates take their torch paths unless TRITON_INTERPRET=1 is set
+before the run (which is slow, and meant for tiny checks); `kernel_path` says which ran.
+llama3-8b random weights need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+from collections import Counter
+
+import numpy as np
+import torch
+import triton
+
+from kernels.llama_q4k.generate import Clock, DecodeStep, generate
+from kernels.llama_q4k.model import CONFIGS, TORCH_OPS, Transformer, reference_logits
+from kernels.llama_q4k.weights import load_gguf, random_weights
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", help="a llama GGUF file (Q4_K linears)")
+    source.add_argument("--random-config", choices=sorted(CONFIGS), help="random Q4_K weights")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=64, help="decode steps")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="activations and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="timed generations")
+    parser.add_argument("--reference", default="bf16", choices=["bf16", "none"])
+    parser.add_argument("--no-graph", action="store_true", help="decode eagerly on CUDA too")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "cpu_peak_rss"
+
+
+def time_prefill(model: Transformer, prompt: torch.Tensor, runs: int) -> float:
+    """Median ms of a last-position prefill (after one warm-up)."""
+    clock = Clock(prompt.device)
+    input_pos = torch.arange(prompt.shape[1], device=prompt.device)
+    times = []
+    for _ in range(runs + 1):
+        clock.sync()
+        start = clock.now()
+        model(prompt, input_pos, last_only=True)
+        end = clock.now()
+        clock.sync()
+        times.append(clock.ms(start, end))
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> dict:
+    opts = parse_args(argv)
+    if opts.runs < 1 or opts.prompt_len < 1 or opts.gen < 0 or opts.batch < 1:
+        raise SystemExit("need --runs >= 1, --prompt-len >= 1, --gen >= 0, --batch >= 1")
+    if opts.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(opts.device)
+    if opts.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = DTYPES[opts.dtype]
+    if opts.random_config == "llama3-8b" and device.type != "cuda":
+        raise SystemExit("--random-config llama3-8b needs a GPU (--device cuda)")
+
+    if opts.gguf:
+        args, weights, types = load_gguf(opts.gguf)
+    else:
+        args = CONFIGS[opts.random_config]
+        weights = random_weights(args, opts.seed, device=str(device))
+        types = {name: "Q4_K" if w.dtype == torch.uint8 else "F32" for name, w in weights.items()}
+    if opts.prompt_len + opts.gen > args.context_length:
+        raise SystemExit(f"prompt + gen exceeds the model's context length {args.context_length}")
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = Transformer(args, weights, device=device, dtype=dtype)
+    model.setup_caches(opts.batch, opts.prompt_len + opts.gen)
+    use_graph = device.type == "cuda" and not opts.no_graph
+    decode = DecodeStep(model, opts.batch, use_graph)
+
+    generator = torch.Generator().manual_seed(opts.seed)
+    prompt = torch.randint(0, args.vocab_size, (opts.batch, opts.prompt_len), generator=generator)
+    prompt = prompt.to(device)
+    generate(model, decode, prompt, opts.gen)  # warm-up
+    runs = [generate(model, decode, prompt, opts.gen) for _ in range(opts.runs)]
+    memory, memory_source = peak_memory(device)
+
+    ttft = statistics.median(run.ttft_ms for run in runs)
+    steps = np.array([ms for run in runs for ms in run.step_ms])
+    checked = generate(model, decode, prompt, opts.gen, keep_logits=True)
+    assert checked.logits is not None
+    sequence = torch.cat([prompt, checked.tokens[:, :-1]], dim=1)
+    expected = reference_logits(args, weights, sequence)
+    max_abs_diff = (checked.logits - expected).abs().max().item()
+    top1 = (checked.logits.argmax(dim=-1) == expected.argmax(dim=-1)).float().mean().item()
+    max_abs_logit = expected.abs().max().item()
+    del model, decode, checked, expected  # room for the bf16 model on the device
+
+    bf16_prefill_ms = None
+    if opts.reference == "bf16":
+        dense = Transformer(
+            args, weights, device=device, dtype=torch.bfloat16, ops=TORCH_OPS, dequantize=True
+        )
+        dense.setup_caches(opts.batch, opts.prompt_len)
+        bf16_prefill_ms = time_prefill(dense, prompt, opts.runs)
+
+    prompt_tokens = opts.batch * opts.prompt_len
+    decode_s = steps.sum() / 1e3
+    on_gpu = device.type == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    result = {
+        "model": opts.gguf or f"random:{opts.random_config}",
+        "config": {
+            "dim": args.dim,
+            "n_layers": args.n_layers,
+            "n_heads": args.n_heads,
+            "n_kv_heads": args.n_kv_heads,
+            "ffn_dim": args.ffn_dim,
+            "vocab_size": args.vocab_size,
+        },
+        "tensor_types": dict(Counter(types.values())),
+        # Everything but Q4_K is loaded as fp32 (and cast to dtype if it is a matrix).
+        "dequantized_at_load": dict(Counter(t for t in types.values() if t != "Q4_K")),
+        "batch": opts.batch,
+        "prompt_len": opts.prompt_len,
+        "gen": opts.gen,
+        "runs": opts.runs,
+        "dtype": str(dtype).removeprefix("torch."),
+        "ttft_ms": ttft,
+        "prefill_tokens_per_s": prompt_tokens / (ttft / 1e3),
+        "decode_tokens_per_s": opts.batch * len(steps) / decode_s if len(steps) else None,
+        "per_token_latency_ms_p50": float(np.percentile(steps, 50)) if len(steps) else None,
+        "per_token_latency_ms_p95": float(np.percentile(steps, 95)) if len(steps) else None,
+        "peak_device_memory_bytes": memory,
+        "peak_memory_source": memory_source,
+        "max_abs_diff": max_abs_diff,
+        "max_abs_logit": max_abs_logit,
+        "top1_agreement": top1,
+        "checked_positions": opts.batch * (opts.prompt_len + opts.gen),
+        "reference": "fp32 plain PyTorch on the same dequantized weights",
+        "bf16_prefill_ms": bf16_prefill_ms,
+        "bf16_prefill_tokens_per_s": prompt_tokens / (bf16_prefill_ms / 1e3)
+        if bf16_prefill_ms is not None
+        else None,
+        "kernel_path": "triton" if on_gpu or interpreted else "torch-fallback",
+        "decode_linear": "q4k_gemv candidate",
+        "prefill_linear": "dequantize_q4_k + dense matmul (no Q4_K GEMM kernel yet)",
+        "graph_capture": use_graph,
+        "device": torch.cuda.get_device_name(device)
+        if on_gpu
+        else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""A small Llama-style decoder whose linear layers are GGUF Q4_K, run on our kernel candidates.
+
+The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedForward.
+
+- Linears keep their Q4_K bytes packed (uint8 [out, in / 256 * 144], as GGUF stores them).
+  Decode (at most 8 rows) runs the q4k_gemv candidate, which dequantizes in registers. Prefill
+  dequantizes the whole matrix (kernels/q4k/format.py) and calls the framework's dense matmul:
+  a stopgap until there is a Q4_K GEMM kernel.
+- q/k/v and gate/up are each fused into one matrix, so decode launches one GEMV where it
+  would otherwise launch three (or two); packed rows concatenate like any other rows.
+- RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul candidates. These run Triton on
+  GPU tensors and under TRITON_INTERPRET=1, and fall back to their torch paths on plain CPU
+  tensors.
+- Attention is F.scaled_dot_product_attention with GQA over a static, preallocated KV cache.
+  It is masked by position, so a decode step has fixed shapes and can be captured as a CUDA
+  graph (generate.py).
+
+The same Transformer built with `ops=TORCH_OPS, dequantize=True` is the plain PyTorch model
+(the bf16 prefill baseline). `reference_logits` is a separate fp32 forward on the same
+dequantized weights (no cache, explicit softmax), used for the logits check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.q4k.format import dequantize_q4_k
+from kernels.q4k_gemv.candidate import q4k_gemv
+from kernels.rmsnorm.candidate import rmsnorm
+from kernels.rope.candidate import apply_rope
+from kernels.silu_mul.candidate import silu_mul
+
+# The q4k_gemv candidate reads the weight once for up to 8 rows per program; past that, prefill.
+GEMV_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+CONFIGS: dict[str, ModelArgs] = {
+    # Q4_K rows hold whole 256-weight blocks, so dim and ffn_dim are multiples of 256.
+    "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=1024),
+    "llama3-8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256
+    ),
+}
+
+
+# ---------------------------------------------------------------- elementwise ops
+
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return normed.to(x.dtype)
+
+
+def torch_rope(positions: Tensor, q: Tensor, k: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate pairs (i, i + head_dim/2) by position * inv_freq; q, k [..., tokens, heads, dim]."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
+    cos, sin = angles.cos(), angles.sin()
+
+    def rotate(x: Tensor) -> Tensor:
+        x32 = x.float()
+        first, second = x32.chunk(2, dim=-1)
+        return (x32 * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def torch_silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+class Ops(NamedTuple):
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+    silu_mul: Callable[[Tensor], Tensor]
+
+
+KERNEL_OPS = Ops(rmsnorm, apply_rope, silu_mul)
+TORCH_OPS = Ops(torch_rms_norm, torch_rope, torch_silu_mul)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    # Computed as the rope task's reference does, so both sides rotate by the same fp32 angles.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+# ---------------------------------------------------------------- weights
+
+
+class Q4KLinear(nn.Module):
+    def __init__(self, packed: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", packed)  # uint8 [out, in / 256 * 144]
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= GEMV_MAX_ROWS:
+            out = q4k_gemv(rows, self.weight)
+        else:
+            # Prefill: no Q4_K GEMM kernel yet, so dequantize the matrix and use the dense one.
+            out = rows @ dequantize_q4_k(self.weight).to(x.dtype).T
+        return out.reshape(*x.shape[:-1], -1)
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class ConcatLinear(nn.Module):
+    """Fused rows whose parts have different formats: one product per part, outputs joined."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def make_linear(parts: list[Tensor], dtype: torch.dtype, dequantize: bool) -> nn.Module:
+    """One linear over `parts` stacked by rows: Q4_K bytes stay packed unless `dequantize`."""
+    if dequantize:
+        parts = [dequantize_q4_k(p) if p.dtype == torch.uint8 else p for p in parts]
+    packed = [p.dtype == torch.uint8 for p in parts]
+    if all(packed):
+        return Q4KLinear(torch.cat(parts))
+    if not any(packed):
+        return DenseLinear(torch.cat([p.to(dtype) for p in parts]))
+    # Q4_K_M files keep some attn_v and ffn_down tensors at Q6_K (dequantized at load).
+    return ConcatLinear([make_linear([p], dtype, dequantize=False) for p in parts])
+
+
+class Embedding(nn.Module):
+    def __init__(self, weight: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("weight", weight if weight.dtype == torch.uint8 else weight.to(dtype))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        rows = self.weight[tokens]
+        if rows.dtype == torch.uint8:  # gather the packed rows, then dequantize only those
+            rows = dequantize_q4_k(rows)
+        return rows.to(self.dtype)
+
+
+# ---------------------------------------------------------------- the model
+
+
+class KVCache(nn.Module):
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype))
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype))
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # index_copy_ with a position tensor (not a Python slice) keeps decode graph-capturable.
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, args: ModelArgs, wqkv: nn.Module, wo: nn.Module, ops: Ops, inv_freq: Tensor
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv, self.wo, self.ops = wqkv, wo, ops
+        self.register_buffer("inv_freq", inv_freq)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        assert self.kv_cache is not None, "call Transformer.setup_caches first"
+        batch, seq, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+        # The rope launcher takes [tokens, heads, head_dim] and one position per token.
+        q, k = self.ops.rope(
+            input_pos.repeat(batch),
+            q.reshape(batch * seq, self.n_heads, self.head_dim),
+            k.reshape(batch * seq, self.n_kv_heads, self.head_dim),
+            self.inv_freq,
+        )
+        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+
+        k, v = self.kv_cache.update(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, self.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w_gate_up: nn.Module, w_down: nn.Module, ops: Ops) -> None:
+        super().__init__()
+        self.w_gate_up, self.w_down, self.ops = w_gate_up, w_down, ops
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(self.ops.silu_mul(self.w_gate_up(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(
+        self,
+        attention: Attention,
+        feed_forward: FeedForward,
+        attn_norm: Tensor,
+        ffn_norm: Tensor,
+        eps: float,
+        ops: Ops,
+    ) -> None:
+        super().__init__()
+        self.attention, self.feed_forward, self.ops, self.eps = attention, feed_forward, ops, eps
+        self.register_buffer("attn_norm", attn_norm.float())
+        self.register_buffer("ffn_norm", ffn_norm.float())
+
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.ops.rms_norm(x, self.attn_norm, self.eps), input_pos, mask)
+        return h + self.feed_forward(self.ops.rms_norm(h, self.ffn_norm, self.eps))
+
+
+class Transformer(nn.Module):
+    """The decoder, built on `device` from GGUF-named weights (see weights.py).
+
+    `weights` maps llama.cpp tensor names to packed Q4_K rows (uint8) or float tensors, on any
+    device; they are copied to `device` one matrix at a time. Activations, dense weights and the
+    KV cache are in `dtype`; norms and their statistics stay fp32.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: dict[str, Tensor],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        ops: Ops = KERNEL_OPS,
+        dequantize: bool = False,
+    ) -> None:
+        super().__init__()
+        self.args, self.dtype, self.ops = args, dtype, ops
+
+        def get(name: str) -> Tensor:
+            return weights[name].to(device)
+
+        def linear(*names: str) -> nn.Module:
+            return make_linear([get(name) for name in names], dtype, dequantize)
+
+        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+        layers = []
+        for i in range(args.n_layers):
+            blk = f"blk.{i}."
+            attention = Attention(
+                args,
+                linear(blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"),
+                linear(blk + "attn_output.weight"),
+                ops,
+                inv_freq,
+            )
+            feed_forward = FeedForward(
+                linear(blk + "ffn_gate.weight", blk + "ffn_up.weight"),
+                linear(blk + "ffn_down.weight"),
+                ops,
+            )
+            attn_norm, ffn_norm = get(blk + "attn_norm.weight"), get(blk + "ffn_norm.weight")
+            layers.append(
+                TransformerBlock(attention, feed_forward, attn_norm, ffn_norm, args.norm_eps, ops)
+            )
+        self.layers = nn.ModuleList(layers)
+
+        embedding = get("token_embd.weight")
+        if dequantize and embedding.dtype == torch.uint8:
+            embedding = dequantize_q4_k(embedding)
+        self.tok_embeddings = Embedding(embedding, dtype)
+        self.register_buffer("norm", get("output_norm.weight").float())
+        self.output = linear("output.weight")
+        self.register_buffer("key_positions", torch.zeros(0, dtype=torch.long, device=device))
+
+    def setup_caches(self, batch: int, max_seq: int) -> None:
+        device = self.norm.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(
+                batch, self.args.n_kv_heads, max_seq, self.args.head_dim, self.dtype
+            ).to(device)
+        self.key_positions = torch.arange(max_seq, device=device)
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
+        """Logits [batch, seq (1 if last_only), vocab] for tokens [batch, seq] at input_pos [seq].
+
+        Positions must be consecutive; keys past each query's position are masked, which also
+        hides whatever an earlier, longer sequence left in the cache.
+        """
+        mask = self.key_positions[None, :] <= input_pos[:, None]  # [seq, max_seq]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, input_pos, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.ops.rms_norm(x, self.norm, self.args.norm_eps))
+
+
+# ---------------------------------------------------------------- the float reference
+
+
+@torch.no_grad()
+def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor) -> Tensor:
+    """fp32 logits [batch, seq, vocab] of the whole sequence, on tokens' device.
+
+    Plain PyTorch written apart from the model above, so that a bug in the cache, the mask, the
+    fusion or the GQA head mapping shows as a mismatch: no cache, one matrix per GGUF tensor,
+    K/V heads repeated by hand, an explicit causal softmax. Every weight is dequantized to
+    fp32 as it is used, with the same dequantizer; so differences come from kernel arithmetic.
+    """
+    device = tokens.device
+    batch, seq = tokens.shape
+    n_rep = args.n_heads // args.n_kv_heads
+
+    def w(name: str) -> Tensor:
+        t = weights[name].to(device)
+        return dequantize_q4_k(t) if t.dtype == torch.uint8 else t.float()
+
+    def heads(x: Tensor, n: int) -> Tensor:
+        return x.view(batch, seq, n, args.head_dim)
+
+    embedding = weights["token_embd.weight"].to(device)[tokens]
+    x = dequantize_q4_k(embedding) if embedding.dtype == torch.uint8 else embedding.float()
+    positions = torch.arange(seq, device=device)
+    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    for i in range(args.n_layers):
+        blk = f"blk.{i}."
+        h = torch_rms_norm(x, w(blk + "attn_norm.weight"), args.norm_eps)
+        q = heads(h @ w(blk + "attn_q.weight").T, args.n_heads)
+        k = heads(h @ w(blk + "attn_k.weight").T, args.n_kv_heads)
+        v = heads(h @ w(blk + "attn_v.weight").T, args.n_kv_heads)
+        q, k = torch_rope(positions, q, k, inv_freq)
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(args.head_dim)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        attn = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, -1)
+        x = x + attn @ w(blk + "attn_output.weight").T
+
+        h = torch_rms_norm(x, w(blk + "ffn_norm.weight"), args.norm_eps)
+        gated = F.silu(h @ w(blk + "ffn_gate.weight").T) * (h @ w(blk + "ffn_up.weight").T)
+        x = x + gated @ w(blk + "ffn_down.weight").T
+    return torch_rms_norm(x, w("output_norm.weight"), args.norm_eps) @ w("output.weight").T

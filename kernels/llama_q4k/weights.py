@@ -1,0 +1,191 @@
+"""GGUF in and out for the Llama Q4_K model: read a file, write one, or draw random weights.
+
+Tensors use llama.cpp's names (token_embd.weight, blk.N.attn_q.weight, ..., output.weight) and
+stay on the CPU; Transformer copies them to its device.
+
+GGUFReader gives a Q4_K tensor's `data` as uint8 [rows, cols / 256 * 144]: one run of 144-byte
+blocks per output feature, exactly what the q4k_gemv candidate reads. Its `shape` field is in
+GGML's reversed order, [cols, rows], so we never use it. Q4_K stays packed; every other type
+(F32 norms, F16 embeddings, the Q6_K tensors of Q4_K_M files) is dequantized to fp32 at load by
+gguf-py, and `load_gguf` reports which.
+
+llama.cpp's converter permutes the rows of attn_q and attn_k so that its rope can rotate
+adjacent pairs (2i, 2i+1). The rope candidate rotates (i, i + head_dim/2), as Hugging Face does,
+so the reader undoes that permutation and the writer applies it. It only moves whole rows, so
+packed Q4_K rows move as they are.
+
+Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels.llama_q4k.model import ModelArgs
+from kernels.q4k.format import BLOCK_BYTES, QK_K
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+
+def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and logical shape ([out, in] for a matrix), in GGUF's usual order."""
+    q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        blk = f"blk.{i}."
+        shapes |= {
+            blk + "attn_norm.weight": (args.dim,),
+            blk + "attn_q.weight": (q_size, args.dim),
+            blk + "attn_k.weight": (kv_size, args.dim),
+            blk + "attn_v.weight": (kv_size, args.dim),
+            blk + "attn_output.weight": (args.dim, q_size),
+            blk + "ffn_norm.weight": (args.dim,),
+            blk + "ffn_gate.weight": (args.ffn_dim, args.dim),
+            blk + "ffn_up.weight": (args.ffn_dim, args.dim),
+            blk + "ffn_down.weight": (args.dim, args.ffn_dim),
+        }
+    shapes |= {"output_norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
+    return shapes
+
+
+def _heads_for(name: str, args: ModelArgs) -> int | None:
+    """Heads of a tensor whose rows llama.cpp's converter permutes, else None."""
+    if name.endswith("attn_q.weight"):
+        return args.n_heads
+    if name.endswith("attn_k.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
+    """Hugging Face rows (head, half, i) -> GGUF rows (head, i, half): the converter's permute."""
+    return weight.reshape(n_heads, 2, -1, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def from_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
+    """The inverse of `to_gguf_rows`."""
+    return weight.reshape(n_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str, str]]:
+    """(config, weights on the CPU, GGML type name of every tensor) from a llama GGUF file."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str) -> Any:
+        value = reader.get_field(key)
+        if value is None:
+            raise KeyError(f"{path}: no metadata key {key!r}")
+        return value.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":  # the row permutation and the metadata keys below are llama's
+        raise ValueError(f"{path}: architecture {arch!r}, expected 'llama'")
+
+    weights, types = {}, {}
+    for tensor in reader.tensors:
+        types[tensor.name] = tensor.tensor_type.name
+        if tensor.tensor_type == GGMLQuantizationType.Q4_K:
+            weights[tensor.name] = torch.from_numpy(np.array(tensor.data))  # a copy off the mmap
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            weights[tensor.name] = torch.from_numpy(np.array(values, dtype=np.float32))
+    if "output.weight" not in weights:  # tied embeddings
+        weights["output.weight"] = weights["token_embd.weight"]
+
+    args = ModelArgs(
+        dim=int(field(f"{arch}.embedding_length")),
+        n_layers=int(field(f"{arch}.block_count")),
+        n_heads=int(field(f"{arch}.attention.head_count")),
+        n_kv_heads=int(field(f"{arch}.attention.head_count_kv")),
+        ffn_dim=int(field(f"{arch}.feed_forward_length")),
+        vocab_size=weights["token_embd.weight"].shape[0],
+        context_length=int(field(f"{arch}.context_length")),
+        rope_theta=float(field(f"{arch}.rope.freq_base")),
+        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+    )
+    for name, weight in weights.items():
+        if (heads := _heads_for(name, args)) is not None:
+            weights[name] = from_gguf_rows(weight, heads)
+    return args, weights, types
+
+
+def write_gguf(
+    path: str | Path,
+    args: ModelArgs,
+    weights: dict[str, Tensor],
+    quant_types: dict[str, GGMLQuantizationType] | None = None,
+) -> None:
+    """Write `weights` as a llama GGUF file: float tensors as they are, uint8 ones as packed
+    rows of Q4_K, or of the type `quant_types` names for them (rows in our q/k order)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    quant_types = quant_types or {}
+    writer = GGUFWriter(str(path), arch="llama")
+    writer.add_context_length(args.context_length)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_vocab_size(args.vocab_size)
+    for name, weight in weights.items():
+        if (heads := _heads_for(name, args)) is not None:
+            weight = to_gguf_rows(weight, heads)
+        array = weight.contiguous().numpy()
+        if weight.dtype == torch.uint8:
+            raw_dtype = quant_types.get(name, GGMLQuantizationType.Q4_K)
+            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def random_q4k(rows: int, cols: int, generator: torch.Generator) -> Tensor:
+    """Random valid Q4_K bytes [rows, cols / 256 * 144], drawn on the generator's device.
+
+    The same draw as kernels/q4k/format.py's `random_q4_k` (random scale, min and code bytes;
+    finite fp16 d around 1e-4 and dmin around 7.5e-4, which gives Llama-sized weights), but on
+    a GPU when the generator is there: 4.6 GB of Llama-3-8B bytes take seconds, not minutes.
+    """
+    device, n_blocks = generator.device, cols // QK_K
+    blocks = torch.randint(
+        0, 256, (rows, n_blocks, BLOCK_BYTES), dtype=torch.uint8, device=device, generator=generator
+    )
+    d = 1e-4 * (0.5 + torch.rand(rows, n_blocks, device=device, generator=generator))
+    dmin = 7.5e-4 * (0.5 + torch.rand(rows, n_blocks, device=device, generator=generator))
+    blocks[..., 0:2] = d.half().view(torch.uint8).reshape(rows, n_blocks, 2)
+    blocks[..., 2:4] = dmin.half().view(torch.uint8).reshape(rows, n_blocks, 2)
+    return blocks.reshape(rows, n_blocks * BLOCK_BYTES)
+
+
+def random_weights(args: ModelArgs, seed: int = 0, device: str = "cpu") -> dict[str, Tensor]:
+    """Random weights, drawn on `device` and returned on the CPU.
+
+    Every matrix (embedding and output too) is random valid Q4_K; norms are fp32 near 1 (a norm
+    of all ones would hide a skipped multiply).
+    """
+    generator = torch.Generator(device).manual_seed(seed)
+    weights = {}
+    for name, shape in tensor_shapes(args).items():
+        if len(shape) == 2:
+            weights[name] = random_q4k(*shape, generator).cpu()
+        else:
+            weights[name] = (
+                1.0 + 0.1 * torch.randn(shape, device=device, generator=generator)
+            ).cpu()
+    return weights
