@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -22,6 +23,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from loom_mcp import __version__
+from loom_mcp.bench.command_models import CommandBenchmarkResult
 from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
 from loom_mcp.errors import ErrorCode, LoomError
@@ -449,6 +451,52 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         if not path.is_file():
             raise ResourceNotFoundError(f"no report for {campaign_id!r} yet; call campaign_report")
         return path.read_text()
+
+    @server.tool(title="Benchmark commands", annotations=RECORDS)
+    async def benchmark_command(
+        ctx: Context,
+        baseline_command: Annotated[list[str], Field(min_length=1, max_length=256, description="The baseline, as argv (e.g. the model program at the campaign base)")],
+        command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv")],
+        metrics: Annotated[list[str] | None, Field(max_length=20, description="Metric names to compare (append ':higher' or ':lower' for unknown ones); default: the parser's headline metrics")] = None,
+        runs: Annotated[int, Field(ge=3, le=200, description="Runs per arm, interleaved ABBA")] = 5,
+        parser: Annotated[Literal["auto", "json", "vllm", "sglang"], Field(description="json: last JSON object on stdout; vllm / sglang: their benchmark result JSON")] = "auto",
+        metrics_file: Annotated[str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")] = None,
+        cwd: Annotated[str | None, Field(description="Working directory of both commands (inside the allowed roots)")] = None,
+        warmup: Annotated[int, Field(ge=0, le=10, description="Unrecorded runs per arm first")] = 0,
+        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+    ) -> CommandBenchmarkResult:
+        """Compare two whole programs (a model server benchmark, the llama_q4k program, a script):
+        run each `runs` times interleaved ABBA in the sandbox, parse the JSON metrics they print
+        (vLLM and SGLang benchmark results understood), and report per metric each arm's median with
+        its CI and the improvement factor with a bootstrap CI (> 1 = candidate better, direction known
+        per metric). The commands get no network beyond their own loopback."""
+        arguments = {"baseline_command": baseline_command, "command": command, "metrics": metrics,
+                     "runs": runs, "parser": parser, "metrics_file": metrics_file, "cwd": cwd,
+                     "warmup": warmup}
+
+        async def body(scope: CallScope) -> CommandBenchmarkResult:
+            from loom_mcp import judge
+            from loom_mcp.bench.command import benchmark_commands
+            from loom_mcp.store import new_run_id
+
+            cwd_path = config.check_allowed(Path(cwd), "cwd") if cwd else None
+            run_id = new_run_id("benchmark")
+            target = await judge.pick_target(config)
+            async with judge.Leased(config, target, progress_of(ctx)) as held:
+                result = await benchmark_commands(
+                    baseline=baseline_command, candidate=command, metrics=metrics, runs=runs,
+                    job_dir=config.jobs_dir / run_id, timeout_s=config.job_timeout_s, cwd=cwd_path,
+                    env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
+                    gate=config.gate, progress=progress_of(ctx))
+            scope.device_s = held.seconds
+            result.benchmark_id = run_id
+            samples = orjson.loads(Path(result.samples_file).read_bytes())
+            judge.store_record(services.ledger, services.artifacts, run_id, "benchmark",
+                               {"mode": "command", "samples": samples, "result": result.model_dump()},
+                               result, campaign_id)
+            return result
+
+        return await run_recorded(services, "benchmark_command", arguments, body, campaign_id)
 
     @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
                      mime_type="application/json")

@@ -83,7 +83,7 @@ from typing import Any, Literal
 
 import anyio.to_thread
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from loom_mcp.bench.stats import ratio_ci, summarize
 from loom_mcp.errors import ErrorCode, LoomError
@@ -131,46 +131,7 @@ sys.exit(127)
 # ---------------------------------------------------------------- result models
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class MetricComparison(_Model):
-    name: str
-    higher_is_better: bool
-    baseline: SampleSummary
-    baseline_ci: list[float] = Field(
-        description="[low, high]: bootstrap CI of the baseline median, at the ratio's level"
-    )
-    candidate: SampleSummary
-    candidate_ci: list[float] = Field(description="[low, high]: the same for the candidate")
-    ratio: RatioCI = Field(
-        description="Improvement factor, > 1 = candidate better: candidate/baseline of the "
-        "medians when higher is better, baseline/candidate when lower is better"
-    )
-
-
-class RunFailure(_Model):
-    arm: Arm
-    run: int = Field(description="1-based run index of that arm")
-    reason: str
-
-
-class CommandBenchmarkResult(_Model):
-    metrics: list[MetricComparison]
-    runs_per_arm: int = Field(description="Complete A/B pairs the statistics use")
-    runs_requested: int
-    failed_runs: list[RunFailure] = Field(
-        description="Runs that failed after the first; their pairs were dropped"
-    )
-    parser_used: str = Field(
-        description="'json', 'vllm' or 'sglang'; 'baseline=vllm candidate=sglang' if they differ"
-    )
-    findings: list[Finding] = Field(default_factory=list)
-    samples_file: str = Field(description="Every run's parsed values, exit status and wall time")
-    seconds: float
-    next_step: str
-
+from loom_mcp.bench.command_models import CommandBenchmarkResult, MetricComparison, RunFailure  # noqa: E402
 
 # ---------------------------------------------------------------- metric names and direction
 
