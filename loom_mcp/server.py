@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -68,7 +68,6 @@ class CallScope:
 
     device_s: float = 0.0
     campaign_id: str | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def open_services(config: LoomConfig) -> Services:
