@@ -25,7 +25,9 @@ from .conftest import make_git_repo
 
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 DEMO = resources.files("loom_mcp") / "demo_data"
-GATE = "[gate]\naccept_wall_clock = true\nmax_time_s = 1.5\nmin_time_s = 0.2\n"
+# CPU wall-clock ratios against the demo task's float64 accumulation swing with allocator page
+# faults; the plausibility review itself is covered by the gate's own tests.
+GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 100.0\nmax_time_s = 1.5\nmin_time_s = 0.2\n"
 
 
 @pytest.fixture

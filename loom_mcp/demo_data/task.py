@@ -1,4 +1,5 @@
-"""Demo task: RMSNorm as a slow reference writes it (float64 round trip, five passes).
+"""Demo task: RMSNorm as careful eager code writes it: the mean of squares accumulated in float64,
+then four more passes over the row.
 
 KernelBench format plus loom's extensions (SHAPES, TOLERANCE, flops, bytes_moved).
 """
@@ -21,10 +22,9 @@ class Model(torch.nn.Module):
         self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.double()
-        mean_square = wide.pow(2).mean(-1, keepdim=True)
-        normed = wide * torch.rsqrt(mean_square + EPS)
-        return (normed * self.weight.double()).to(x.dtype)
+        mean_square = x.double().pow(2).mean(-1, keepdim=True).to(x.dtype)
+        normed = x * torch.rsqrt(mean_square + EPS)
+        return normed * self.weight
 
 
 def get_inputs(tokens: int = 64, hidden: int = 4096):
