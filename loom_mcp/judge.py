@@ -146,7 +146,7 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
         tgt = await pick_target(config)
         device = tgt.torch_device
         triton_version = (await probe_toolchain(config.cache_dir / "toolchain.json")).triton
-        if target is None and tgt.device.arch:
+        if target is None and tgt.is_gpu and tgt.device.arch:
             target = tgt.device.arch
         async with Leased(config, tgt, progress) as held:
             result = await _compile(config, artifacts, src, language, target, flags, task_path,

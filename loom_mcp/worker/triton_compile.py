@@ -37,12 +37,17 @@ def _error_location(exc: BaseException, source: str) -> tuple[str | None, int | 
 def _jit_functions(module) -> dict:
     import triton
 
+    # Under TRITON_INTERPRET=1, @triton.jit makes an InterpretedFunction instead.
+    kinds: tuple[type, ...] = (triton.runtime.jit.JITFunction,)
+    interpreted = getattr(getattr(triton.runtime, "interpreter", None), "InterpretedFunction", None)
+    if interpreted is not None:
+        kinds += (interpreted,)
     found = {}
     for name, value in vars(module).items():
         fn = value
-        while fn is not None and not isinstance(fn, triton.runtime.jit.JITFunction):
+        while fn is not None and not isinstance(fn, kinds):
             fn = getattr(fn, "fn", None)  # Autotuner / Heuristics wrap the JITFunction
-        if fn is not None:
+        if fn is not None and not isinstance(fn, type):
             found[name] = fn
     return found
 
