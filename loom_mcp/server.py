@@ -76,11 +76,14 @@ def open_services(config: LoomConfig) -> Services:
     ledger = Ledger(config.ledger_path)
     if ledger.interrupted_on_open:
         log.warning("%d call(s) from a previous server were interrupted", ledger.interrupted_on_open)
-    if ledger.interrupted_submissions():
+    worktrees = config.home / "worktrees"
+    if ledger.interrupted_submissions() or (worktrees.is_dir() and any(
+            any(d.iterdir()) for d in worktrees.iterdir() if d.is_dir())):
         from loom_mcp.submissions import recover_interrupted
 
         removed = recover_interrupted(config, ledger)
-        log.warning("removed %d worktree(s) of interrupted submissions", len(removed))
+        if removed:
+            log.warning("removed %d worktree(s) left by interrupted submissions", len(removed))
     return Services(config=config, ledger=ledger, artifacts=ArtifactStore(config.artifacts_dir, ledger))
 
 

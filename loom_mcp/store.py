@@ -306,12 +306,13 @@ class Ledger:
             ).fetchall()
         return [dict(r) for r in found]
 
-    def live_worktrees(self, campaign_id: str) -> set[str]:
+    def live_submissions(self, campaign_id: str) -> set[str]:
+        """Ids of submissions still running in a live process (their worktree dirs carry the id)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT worktree FROM submissions WHERE campaign_id=? AND status='running'"
-                " AND worktree IS NOT NULL", (campaign_id,)).fetchall()
-        return {Path(r["worktree"]).name for r in rows}
+                "SELECT id, pid FROM submissions WHERE campaign_id=? AND status='running'",
+                (campaign_id,)).fetchall()
+        return {r["id"] for r in rows if r["pid"] == os.getpid() or _pid_alive(r["pid"])}
 
     def clear_worktree(self, submission_id: str) -> None:
         self.update_submission(submission_id, worktree=None)

@@ -209,14 +209,19 @@ def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark) -> dict[s
 
 
 def recover_interrupted(config: LoomConfig, ledger: Ledger) -> list[str]:
-    """On start: submissions whose process died are `interrupted`; their worktrees are removed
-    (keeping any a live submission in another server process is using)."""
-    cleaned: list[str] = []
+    """On start: submissions whose process died become `interrupted`, and every worktree under
+    LOOM_HOME/worktrees that no live submission owns is removed. Scanning the directories (not
+    only rows that recorded a worktree) also covers a kill between creating one and recording it."""
     for row in ledger.interrupted_submissions():
-        campaign = ledger.campaign(row["campaign_id"])
-        root = config.home / "worktrees" / row["campaign_id"]
-        if campaign is not None and root.exists():
-            keep = ledger.live_worktrees(row["campaign_id"])
-            cleaned += gitops.cleanup_stale_worktrees(Path(campaign["repo"]), root, keep=keep)
         ledger.clear_worktree(row["id"])
+    cleaned: list[str] = []
+    root = config.home / "worktrees"
+    for campaign_dir in sorted(root.iterdir()) if root.is_dir() else []:
+        if not campaign_dir.is_dir() or not any(campaign_dir.iterdir()):
+            continue
+        campaign = ledger.campaign(campaign_dir.name)
+        if campaign is None:
+            continue
+        keep = ledger.live_submissions(campaign_dir.name)
+        cleaned += gitops.cleanup_stale_worktrees(Path(campaign["repo"]), campaign_dir, keep=keep)
     return cleaned

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from loom_mcp.worker.harness import as_output_list, load_module, pick_device, synchronize, to_device
+from loom_mcp.worker.harness import (
+    as_output_list,
+    build_model,
+    load_module,
+    pick_device,
+    synchronize,
+    to_device,
+)
 from loom_mcp.worker.protocol import read_request, send_result
 
 # Cycles the stream is held before each timed call, so the call's launches are already queued
@@ -66,15 +73,7 @@ class Arm:
     # -- setup
     def setup(self, shape_index: int) -> dict:
         sets = self.shapes[shape_index]["sets"]
-        first = sets[0]
-        torch.manual_seed(first["seed"])
-        model = self.model_cls(*first["init_inputs"])
-        state = first.get("state_dict") or {}
-        if isinstance(model, torch.nn.Module):
-            own = model.state_dict()
-            if state and set(own) == set(state) and all(own[k].shape == state[k].shape for k in own):
-                model.load_state_dict(state)
-            model = model.to(self.device).eval()
+        model = build_model(self.model_cls, sets[0], self.device)
         inputs = [to_device(s["inputs"], self.device) for s in sets]
         # Pristine device copies: the per-batch perturbation starts from them without a host copy.
         pristine = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in inputs]

@@ -18,6 +18,7 @@ import torch
 
 from loom_mcp.worker.harness import (
     as_output_list,
+    build_model,
     load_module,
     pick_device,
     synchronize,
@@ -56,17 +57,8 @@ def run_case(model_cls, case: dict, device: torch.device, candidate_file: str) -
     report: dict[str, Any] = {"error": None, "output_type_ok": True, "aliases_input": False,
                               "inputs_unchanged": True, "deterministic": True, "late_write": False,
                               "threads_added": 0}
-    seed = case["seed"]
     try:
-        torch.manual_seed(seed)
-        model = model_cls(*case["init_inputs"])
-        state = case.get("state_dict") or {}
-        if isinstance(model, torch.nn.Module) and state:
-            own = model.state_dict()
-            if set(own) == set(state) and all(own[k].shape == state[k].shape for k in own):
-                model.load_state_dict(state)
-        if isinstance(model, torch.nn.Module):
-            model = model.to(device).eval()
+        model = build_model(model_cls, case, device)
         inputs = to_device(case["inputs"], device)
         digest_before = tensor_digest(inputs)
         input_ptrs = {_storage_ptr(x) for x in inputs if isinstance(x, torch.Tensor)}

@@ -113,6 +113,21 @@ def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str) -> 
     return inputs, init_inputs
 
 
+def build_model(model_cls, case: dict[str, Any], device: torch.device):
+    """Construct a Model/ModelNew for a prepared case: seeded like the reference, then given the
+    reference's weights when the parameter names and shapes match (KernelBench relies on the
+    seed alone; copying the weights also covers a candidate that creates them in another order)."""
+    torch.manual_seed(case["seed"])
+    model = model_cls(*case["init_inputs"])
+    if isinstance(model, torch.nn.Module):
+        state = case.get("state_dict") or {}
+        own = model.state_dict()
+        if state and set(own) == set(state) and all(own[k].shape == state[k].shape for k in own):
+            model.load_state_dict(state)
+        model = model.to(device).eval()
+    return model
+
+
 def tensor_digest(values: list | tuple) -> str:
     """Hash of every tensor's bytes, dtype and shape (non-tensors by repr)."""
     h = hashlib.sha256()
