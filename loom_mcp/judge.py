@@ -140,30 +140,23 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
                          progress: Progress | None) -> tuple[CompileResult, float]:
     src = check_file(config, source, "source")
     task_path = check_file(config, task, "task") if task else None
-    device = "cpu"
-    triton_version = None
-    if language == "triton":
-        tgt = await pick_target(config)
-        device = tgt.torch_device
-        triton_version = (await probe_toolchain(config.cache_dir / "toolchain.json")).triton
-        if target is None and tgt.is_gpu and tgt.device.arch:
-            target = tgt.device.arch
-        async with Leased(config, tgt, progress) as held:
-            result = await _compile(config, artifacts, src, language, target, flags, task_path,
-                                    device, triton_version, progress)
-        return result, held.seconds
-    result = await _compile(config, artifacts, src, language, target, flags, task_path, device,
-                            triton_version, progress)
-    return result, 0.0
+    toolchain = await probe_toolchain(config.cache_dir / "toolchain.json")
 
+    async def run(device: str, target: str | None) -> CompileResult:
+        return await compile_source(
+            source=src, language=language, target=target, flags=flags, task=task_path, device=device,
+            cache_dir=config.cache_dir, artifacts=artifacts,
+            job_dir=config.jobs_dir / new_run_id("compile"), timeout_s=config.job_timeout_s,
+            toolchain=toolchain, progress=progress)
 
-async def _compile(config, artifacts, src, language, target, flags, task_path, device,
-                   triton_version, progress) -> CompileResult:
-    return await compile_source(
-        source=src, language=language, target=target, flags=flags, task=task_path, device=device,
-        cache_dir=config.cache_dir, artifacts=artifacts,
-        job_dir=config.jobs_dir / new_run_id("compile"), timeout_s=config.job_timeout_s,
-        toolchain_triton=triton_version, progress=progress)
+    if language != "triton":  # nvcc/hipcc compile for a named target without touching a device
+        return await run("cpu", target), 0.0
+    tgt = await pick_target(config)
+    if target is None and tgt.is_gpu and tgt.device.arch:
+        target = tgt.device.arch
+    async with Leased(config, tgt, progress) as held:
+        result = await run(tgt.torch_device, target)
+    return result, held.seconds
 
 
 # ---------------------------------------------------------------- validation

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +18,7 @@ from loom_mcp.compile.reports import (
     parse_ptxas,
 )
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources
+from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, Toolchain
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, run_job
 from loom_mcp.store import ArtifactStore
@@ -27,17 +26,6 @@ from loom_mcp.store import ArtifactStore
 Language = Literal["triton", "cuda", "hip"]
 Progress = Callable[[str], Awaitable[None]]
 CACHE_VERSION = "1"
-
-
-def _compiler_version(tool: str) -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "unknown"
 
 
 def cache_key(*parts: str | bytes) -> str:
@@ -66,23 +54,24 @@ async def compile_source(
     artifacts: ArtifactStore,
     job_dir: Path,
     timeout_s: float,
-    toolchain_triton: str | None,
+    toolchain: Toolchain,
     progress: Progress | None = None,
 ) -> CompileResult:
     started = time.perf_counter()
     data = source.read_bytes()
     if language == "triton":
-        compiler = f"triton {toolchain_triton or 'unknown'}"
+        compiler = f"triton {toolchain.triton or 'unknown'}"
         effective_target = target or ("interpreter" if device == "cpu" else device)
         extra = task.read_bytes() if task else b""
     else:
+        # The toolchain probe (cached) already located the compiler and read its version.
         tool = "nvcc" if language == "cuda" else "hipcc"
-        path = shutil.which(tool)
-        if path is None:
+        status = next((t for t in toolchain.tools if t.name == tool and t.found and t.path), None)
+        if status is None:
             raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
-                            f"{tool} not found on PATH; install the {'CUDA' if tool == 'nvcc' else 'ROCm'} "
-                            "toolkit or compile on a machine that has it (loom-mcp doctor lists toolchains)")
-        compiler = f"{tool} {_compiler_version(path)}"
+                            f"{tool} not found; install the {'CUDA' if tool == 'nvcc' else 'ROCm'} toolkit "
+                            "or compile on a machine that has it (after installing, device_info(refresh=true))")
+        compiler = f"{tool} {status.version or 'unknown'}"
         effective_target = target or ("sm_90" if language == "cuda" else "gfx942")
         extra = b""
     key = cache_key(language, compiler, effective_target, " ".join(flags), data, extra)
@@ -98,8 +87,8 @@ async def compile_source(
         result = await _compile_triton(source, task, device, job_dir, timeout_s, compiler,
                                        effective_target, progress)
     else:
-        result = await _compile_native(source, language, effective_target, flags, job_dir,
-                                       timeout_s, compiler, artifacts, progress)
+        result = await _compile_native(source, language, status.path, effective_target, flags,
+                                       job_dir, timeout_s, compiler, artifacts, progress)
     result.seconds = time.perf_counter() - started
     if result.ok or result.diagnostics:  # never cache a timeout or a crash
         cached_file.parent.mkdir(parents=True, exist_ok=True)
@@ -107,14 +96,14 @@ async def compile_source(
     return result
 
 
-async def _compile_native(source, language, target, flags, job_dir, timeout_s, compiler, artifacts,
-                          progress) -> CompileResult:
+async def _compile_native(source, language, tool_path, target, flags, job_dir, timeout_s, compiler,
+                          artifacts, progress) -> CompileResult:
     obj = job_dir / "kernel.o"
     if language == "cuda":
-        argv = ["nvcc", "-c", f"-arch={target}", "-Xptxas", "-v", "-lineinfo", *flags,
+        argv = [tool_path, "-c", f"-arch={target}", "-Xptxas", "-v", "-lineinfo", *flags,
                 str(source), "-o", str(obj)]
     else:
-        argv = ["hipcc", "-c", f"--offload-arch={target}", "-Rpass-analysis=kernel-resource-usage",
+        argv = [tool_path, "-c", f"--offload-arch={target}", "-Rpass-analysis=kernel-resource-usage",
                 *flags, str(source), "-o", str(obj)]
     job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
     text = job.stdout_tail + "\n" + job.stderr_tail

@@ -26,13 +26,6 @@ Progress = Callable[[str], Awaitable[None]]
 Profiler = Literal["torch", "rocprofv3", "nsys"]
 
 
-def _failure(job) -> str:
-    if job.timed_out:
-        return f"timed out after {job.wall_s:.0f} s"
-    tail = " | ".join(job.stderr_tail.strip().splitlines()[-6:])
-    return f"exited with {job.signal or job.returncode}: {tail}"
-
-
 async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, warmup, active,
                        device, timeout_s, progress) -> Path:
     trace = job_dir / "trace.json"
@@ -46,7 +39,7 @@ async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, w
     ), on_progress=progress)
     report = job.result if job.ok and job.result else None
     if report is None:
-        raise LoomError(ErrorCode.WORKER_CRASHED, f"the profiled workload {_failure(job)}")
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"the profiled workload {job.failure()}")
     if report["error"]:
         code = ErrorCode.BAD_INPUT if "unknown shape" in report["error"] else ErrorCode.WORKER_CRASHED
         raise LoomError(code, "the profiled workload failed: " + report["error"])
@@ -69,7 +62,7 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
     out.mkdir(parents=True, exist_ok=True)
     job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
     if not job.ok:
-        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {_failure(job)}")
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {job.failure()}")
     pattern = "*.json" if profiler == "rocprofv3" else "*.sqlite"
     found = sorted(out.rglob(pattern), key=lambda p: p.stat().st_size, reverse=True)
     if not found:

@@ -78,3 +78,12 @@ class JobResult(BaseModel):
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out and not self.cancelled
+
+    def failure(self) -> str:
+        """Why the job did not succeed, in one line: timeout, signal, or exit code and stderr tail."""
+        if self.timed_out:
+            return f"timed out after {self.wall_s:.0f} s"
+        if self.signal:
+            return f"died with {self.signal}"
+        tail = " | ".join(self.stderr_tail.strip().splitlines()[-6:])
+        return f"exited with {self.returncode}: {tail}"

@@ -90,16 +90,14 @@ def _scrub_kineto(src: Path, dst: Path) -> ScrubReport:
         for k, v in kept.items():
             out.write(b",\n" + dumps(k) + b": " + dumps(v))
         out.write(b"\n}\n")
-    return ScrubReport(
-        src=src.name,
-        dst=dst.name,
-        events=events,
-        removed_blocks=removed,
-        removed_keys=removed_keys,
-        redacted_values=redacted,
-        bytes_in=src.stat().st_size,
-        bytes_out=dst.stat().st_size,
-    )
+    return _report(src, dst, events, removed, removed_keys, redacted)
+
+
+def _report(src: Path, dst: Path, events: int, removed: list[str], removed_keys: int,
+            redacted: int) -> ScrubReport:
+    return ScrubReport(src=src.name, dst=dst.name, events=events, removed_blocks=removed,
+                       removed_keys=removed_keys, redacted_values=redacted,
+                       bytes_in=src.stat().st_size, bytes_out=dst.stat().st_size)
 
 
 def _scrub_rocprofv3(src: Path, dst: Path) -> ScrubReport:
@@ -120,16 +118,7 @@ def _scrub_rocprofv3(src: Path, dst: Path) -> ScrubReport:
     )
     with _open_out(dst) as out:
         out.write(orjson.dumps(doc))
-    return ScrubReport(
-        src=src.name,
-        dst=dst.name,
-        events=events,
-        removed_blocks=removed,
-        removed_keys=removed_keys,
-        redacted_values=redacted,
-        bytes_in=src.stat().st_size,
-        bytes_out=dst.stat().st_size,
-    )
+    return _report(src, dst, events, removed, removed_keys, redacted)
 
 
 def _scrub_nsys(src: Path, dst: Path) -> ScrubReport:
@@ -172,16 +161,7 @@ def _scrub_nsys(src: Path, dst: Path) -> ScrubReport:
         db.execute("VACUUM")  # dropped pages would otherwise still hold the old bytes
     finally:
         db.close()
-    return ScrubReport(
-        src=src.name,
-        dst=dst.name,
-        events=count,
-        removed_blocks=removed,
-        removed_keys=removed_keys,
-        redacted_values=redacted,
-        bytes_in=src.stat().st_size,
-        bytes_out=dst.stat().st_size,
-    )
+    return _report(src, dst, count, removed, removed_keys, redacted)
 
 
 def scrub_trace(src: Path, dst: Path) -> ScrubReport:

@@ -39,12 +39,7 @@ def worker_argv(module: str) -> list[str]:
 
 
 def _job_failure(name: str, job: JobResult) -> str:
-    if job.timed_out:
-        return f"the {name} step timed out after {job.wall_s:.0f} s"
-    if job.signal:
-        return f"the {name} process died with {job.signal}"
-    tail = job.stderr_tail.strip().splitlines()[-6:]
-    return f"the {name} process exited with {job.returncode}: " + " | ".join(tail)
+    return f"the {name} process {job.failure()}"
 
 
 async def validate_candidate(
