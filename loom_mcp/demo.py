@@ -10,6 +10,7 @@ which must be rejected, then the real candidate) -> campaign_report. Progress go
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,12 +57,21 @@ def _short(data: dict[str, Any], keys: list[str]) -> str:
     return ", ".join(f"{k}={data.get(k)}" for k in keys)
 
 
+def server_env(home: Path) -> dict[str, str]:
+    """The spawned server's environment. The MCP client passes only a minimal one, so the
+    import path (a virtualenv's or a PYTHONPATH install) and the GPU selection are carried over."""
+    keep = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+            "ROCR_VISIBLE_DEVICES", "LOOM_ALLOWED_ROOTS", "TMPDIR")
+    env = {name: os.environ[name] for name in keep if name in os.environ}
+    return env | {"LOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+
 async def drive(workdir: Path, home: Path) -> int:
     from mcp import Client, StdioServerParameters
 
     repo = make_target_repo(workdir)
     params = StdioServerParameters(command=sys.executable, args=["-m", "loom_mcp.cli", "--stdio", "--home", str(home)],
-                                   env={"LOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"})
+                                   env=server_env(home))
     started = time.monotonic()
     sizes: dict[str, int] = {}
 

@@ -105,7 +105,8 @@ def _judge_validation(
     for f in validation.findings:
         if f.severity == "error":
             where = f" at {f.where}" if f.where else ""
-            out.add("validation.static_error", f"{f.check}{where}: {f.message}")
+            code = "benchmark.misbehaved" if f.check.startswith("benchmark.") else "validation.static_error"
+            out.add(code, f"{f.check}{where}: {f.message}")
             ok = False
         else:
             where = f" at {f.where}" if f.where else ""
@@ -267,6 +268,21 @@ def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Rea
         )
 
 
+def _judge_coverage(
+    validation: ValidationEvidence, benchmark: BenchmarkEvidence, out: _Reasons
+) -> None:
+    """A speedup speaks for the shapes it timed: every validated shape must have been timed,
+    or a candidate slow on its hardest shape could be benchmarked on the easy ones only."""
+    timed = {s.name for s in benchmark.shapes}
+    untimed = sorted({c.shape for c in validation.cases} - timed)
+    if untimed and benchmark.shapes:
+        out.add(
+            "benchmark.shapes_missing",
+            f"Benchmark {benchmark.benchmark_id} did not time validated shape(s) "
+            f"{', '.join(untimed[:5])}{' ...' if len(untimed) > 5 else ''}.",
+        )
+
+
 def decide(
     compile: CompileEvidence,
     validation: ValidationEvidence | None,
@@ -282,6 +298,8 @@ def decide(
             out.add("benchmark.missing", "No benchmark evidence: the speedup was never measured.")
     else:
         _judge_benchmark(benchmark, config, out)
+        if validation is not None:
+            _judge_coverage(validation, benchmark, out)
 
     if out.blocking:
         verdict = "reject"

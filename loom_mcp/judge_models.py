@@ -318,6 +318,8 @@ ReasonCode = Literal[
     "benchmark.missing",
     "benchmark.no_shapes",
     "benchmark.too_few_samples",
+    "benchmark.shapes_missing",
+    "benchmark.misbehaved",
     "benchmark.ci_level",
     "speedup.insufficient",
     "shape.regression",

@@ -150,9 +150,9 @@ async def submit_candidate(
                         campaign_id=campaign_id, progress=progress)
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id
-                    if b_findings:  # misbehaviour while timed fails validation after the fact
+                    if b_findings:  # misbehaviour while timed: error findings the gate rejects on
                         validation = validation.model_copy(update={
-                            "passed": False, "findings": [*validation.findings, *b_findings]})
+                            "findings": [*validation.findings, *b_findings]})
             verdict: Verdict = decide(compile_evidence, validation, benchmark, config.gate)
             commit = None
             if verdict.verdict == "accept":

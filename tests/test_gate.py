@@ -82,12 +82,12 @@ def good_benchmark(**kw) -> BenchmarkEvidence:
 
 
 def judge(compile=None, validation="good", benchmark="good", config=CFG) -> Verdict:
-    return decide(
-        compile or good_compile(),
-        good_validation() if validation == "good" else validation,
-        good_benchmark() if benchmark == "good" else benchmark,
-        config,
-    )
+    """Good evidence unless told otherwise; good validation covers the benchmark's shapes."""
+    bench = good_benchmark() if benchmark == "good" else benchmark
+    if validation == "good":
+        names = tuple(s.name for s in bench.shapes) if bench is not None and bench.shapes else None
+        validation = good_validation(names) if names else good_validation()
+    return decide(compile or good_compile(), validation, bench, config)
 
 
 # ---------------------------------------------------------------- accept
@@ -104,7 +104,17 @@ def test_accept_when_everything_holds():
 
 def test_a_slower_but_not_clearly_slower_shape_is_tolerated():
     b = good_benchmark(shapes=[shape("decode", 1.3, 1.25, 1.35), shape("tail", 0.98, 0.97, 0.99)])
-    assert judge(benchmark=b).verdict == "accept"  # CI upper 0.99 is not < 0.98
+    v = judge(validation=good_validation(("decode", "tail")), benchmark=b)
+    assert v.verdict == "accept"  # CI upper 0.99 is not < 0.98
+
+
+def test_a_validated_shape_left_untimed_rejects():
+    """The speedup must cover every validated shape, not just the easy ones."""
+    b = good_benchmark(shapes=[shape("decode", 1.5, 1.45, 1.55)], geomean=ratio(1.5, 1.45, 1.55))
+    v = judge(validation=good_validation(("decode", "prefill")), benchmark=b)
+    assert v.verdict == "reject"
+    assert "benchmark.shapes_missing" in v.reason_codes
+    assert any("prefill" in r for r in v.reasons)
 
 
 def test_warnings_never_decide():
@@ -228,6 +238,31 @@ SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
         ),
         "needs_review",
         "review.implausible_speedup",
+    ),
+    "validated shape not timed": (
+        lambda: judge(
+            validation=good_validation(("decode", "prefill", "tail")),
+            benchmark=good_benchmark(),
+        ),
+        "reject",
+        "benchmark.shapes_missing",
+    ),
+    "misbehaved while timed": (
+        lambda: judge(
+            validation=good_validation().model_copy(
+                update={
+                    "findings": [
+                        Finding(
+                            check="benchmark.output_mismatch",
+                            severity="error",
+                            message="stale outputs while timed",
+                        )
+                    ]
+                }
+            )
+        ),
+        "reject",
+        "benchmark.misbehaved",
     ),
     "proof failed": (
         lambda: judge(benchmark=good_benchmark(proof_of_execution=False)),
@@ -375,6 +410,7 @@ def test_reject_lists_every_reason_and_keeps_review_concerns_last():
         "benchmark.too_few_samples",
         "speedup.insufficient",
         "shape.regression",
+        "benchmark.shapes_missing",
         "review.implausible_speedup",
         "review.proof_failed",
     }

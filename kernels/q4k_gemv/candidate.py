@@ -1,22 +1,25 @@
 """Fused Q4_K GEMV in Triton: y = x @ W.T with W dequantized in registers, never in memory.
 
-Each program owns BLOCK_N output rows and walks K one 256-weight Q4_K block at a time. For each
-block it loads, per row, the fp16 d and dmin, the 12 packed scale/min bytes (unpacked to eight
-6-bit scales and mins), and the 128 code bytes as one contiguous [4, 32] tile; the low and high
-nibbles are interleaved back into sub-block order with join/permute/reshape, giving a
-[BLOCK_N, 8, 32] tile of weights w = (d * sc) * q - (dmin * m) in fp32. That tile is then
-multiplied by each of the up-to-8 batch rows of x (decode) and reduced into fp32 accumulators,
-so the weight bytes are read from memory once per launch whatever the batch. The output is
-rounded to x's dtype once.
+Decode reads every weight once per token, so the kernel is a race to stream 0.5625 bytes per
+weight at HBM speed. What it does for that:
 
-Weights are read once (0.5625 B each); x is re-read per row block but stays in L1/L2.
+- The weight bytes are read as int32 words (a Q4_K block is 36 words: d|dmin, 3 words of
+  packed 6-bit scales and mins, 32 words of codes), so the 128 code bytes of a block come in as
+  16-byte vector loads. Loads are never masked: out-of-range rows and blocks are clamped to a
+  valid address and their scale is zeroed, which keeps the loads vectorised.
+- Each program owns BLOCK_N rows and takes BLOCK_KB blocks of each row per step, so a small
+  grid of programs still has tens of kilobytes in flight per SM.
+- The per-weight work is four instructions: a shift, a mask-or that lands the 4-bit code in the
+  mantissa of 2^23 (`(q | 0x4B000000)` read as fp32 is 2^23 + q), a subtraction, and one FMA
+  with x. No int-to-float conversion, whose throughput on NVIDIA parts is an eighth of FMA's.
+- llama.cpp's factorisation: per 32-weight sub-block, y += d*sc * sum(q*x) - dmin*m * sum(x),
+  so the scales are applied once per sub-block, not per weight.
+- x (bf16 or fp16) is read as int64 quads and widened by bit operations (bf16) or a cast (fp16).
+- Decode batches up to 8 rows of x share each weight load.
 
 Where it runs: on a GPU tensor (CUDA or ROCm) the Triton kernel always runs. On a CPU tensor the
 kernel runs only under the interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
 without it, `forward` dequantizes with torch and multiplies in fp32, so the model works anywhere.
-
-Not tuned on a GPU: BLOCK_N, warps, the per-sub-block factorisation llama.cpp uses
-(d sc sum(q x) - dmin m sum(x)) and split-K for the 4096 x 14336 shape are the next steps there.
 
 Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `python candidate.py`.
 """
@@ -24,6 +27,7 @@ Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `pyth
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,8 +35,24 @@ import triton.language as tl
 
 QK_K = 256  # weights per Q4_K block
 BLOCK_BYTES = 144  # d (2) + dmin (2) + scales (12) + codes (128)
+BLOCK_WORDS = BLOCK_BYTES // 4
 MAX_BATCH_PER_PROGRAM = 8  # decode batches; larger batches take more programs along grid axis 1
-BLOCK_N = 16  # output rows per program
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # output rows per program
+    block_kb: int  # Q4_K blocks of each row per loop step
+    num_warps: int
+    x_per_row: bool = False  # load x per weight row (no layout shuffle) or once per tile
+
+
+def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
+    """Small tiles, one warp, x loaded per weight row: the fastest of 48 configurations for
+    every Llama-3-8B shape at batch 1 in `tools/sweep_q4k.py` on an H200 (2026-11-30). K of
+    56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16."""
+    block_kb = 16 if n_blocks % 16 == 0 else 8
+    block_kb = min(block_kb, triton.next_power_of_2(n_blocks))
+    return GemvConfig(block_n=2, block_kb=block_kb, num_warps=1, x_per_row=True)
 
 
 @triton.jit
@@ -51,72 +71,133 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def widen(pair, high: tl.constexpr, X_IS_BF16: tl.constexpr):
+    """One 16-bit half of an int32 pair of x values, as fp32."""
+    if X_IS_BF16:
+        if high:
+            bits = pair & -65536  # 0xFFFF0000: the high bf16 is already in place
+        else:
+            bits = pair << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        if high:
+            half = (pair >> 16) & 0xFFFF
+        else:
+            half = pair & 0xFFFF
+        return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def scale_and_min(s1, s2, s3, j: tl.constexpr):
+    """The 6-bit scale and min of sub-block j from the three packed words s1, s2, s3.
+
+    Bytes s[0..11]: j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: the low four bits are in
+    s[j+4] (scale low nibble, min high nibble), the top two in s[j-4] (scale) and s[j] (min).
+    """
+    if j < 4:
+        sc = (s1 >> (8 * j)) & 63
+        m = (s2 >> (8 * j)) & 63
+    else:
+        sc = ((s3 >> (8 * (j - 4))) & 0x0F) | (((s1 >> (8 * (j - 4) + 6)) & 3) << 4)
+        m = ((s3 >> (8 * (j - 4) + 4)) & 0x0F) | (((s2 >> (8 * (j - 4) + 6)) & 3) << 4)
+    return sc.to(tl.float32), m.to(tl.float32)
+
+
+@triton.jit
 def q4k_gemv_kernel(
-    x_ptr,
-    w_bytes_ptr,
-    w_halves_ptr,  # the same weight bytes viewed as fp16, to load d and dmin directly
+    x_ptr,  # x as int64 quads: [batch, K / 4]
+    w_ptr,  # W as int32 words: [N, n_blocks * 36]
     out_ptr,
     batch,
     n_rows,
     n_blocks,
-    x_row_stride,
+    w_row_words,
+    x_row_quads,
     out_row_stride,
+    X_IS_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    X_PER_ROW: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n_rows
+    rows_safe = tl.minimum(rows, n_rows - 1)  # clamp instead of masking: loads stay vectorised
+    row_words = tl.multiple_of(rows_safe.to(tl.int64) * w_row_words, 4)
     first_batch = tl.program_id(1) * BLOCK_B
-    batch_ids = first_batch + tl.arange(0, BLOCK_B)
-    sub_blocks = tl.arange(0, 8)
-    lanes = tl.arange(0, 32)
-    row_start = rows.to(tl.int64) * (n_blocks * 144)  # byte offset of each row
-    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+    kbs = tl.arange(0, BLOCK_KB)
+    words8 = tl.arange(0, 8)
+    batch_ids = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_KB], dtype=tl.float32)
 
-    for kb in range(0, n_blocks):
-        block = row_start + kb * 144  # [BLOCK_N] byte offset of this Q4_K block, always even
-        d = tl.load(w_halves_ptr + block // 2, mask=row_ok, other=0.0).to(tl.float32)
-        dmin = tl.load(w_halves_ptr + block // 2 + 1, mask=row_ok, other=0.0).to(tl.float32)
+    for kb0 in range(0, n_blocks, BLOCK_KB):
+        blocks = kb0 + kbs
+        block_ok = blocks < n_blocks
+        blocks_safe = tl.minimum(blocks, n_blocks - 1)
+        block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]; 36 words per block
+        head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
+        s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
+        s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
+        s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
+        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        d = tl.where(block_ok[None, :], d, 0.0)
+        dmin = tl.where(block_ok[None, :], dmin, 0.0)
 
-        # 6-bit scales and mins of sub-blocks j = 0..7 from the 12 bytes s[0..11] at block + 4:
-        # j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: the low nibbles are in s[j+4], the
-        # top two bits in s[j-4] (scale) and s[j] (min).
-        scale_bytes = w_bytes_ptr + block[:, None] + 4
-        s_j = tl.load(scale_bytes + sub_blocks[None, :], mask=row_ok[:, None], other=0)
-        s_j4 = tl.load(scale_bytes + 4 + sub_blocks[None, :], mask=row_ok[:, None], other=0)
-        s_low = tl.load(scale_bytes + (sub_blocks % 4)[None, :], mask=row_ok[:, None], other=0)
-        high_half = (sub_blocks >= 4)[None, :]
-        sc = tl.where(high_half, (s_j4 & 0x0F) | ((s_low >> 6) << 4), s_j & 63)
-        m = tl.where(high_half, (s_j4 >> 4) | ((s_j >> 6) << 4), s_j4 & 63)
-        step = d[:, None] * sc.to(tl.float32)  # [BLOCK_N, 8]
-        offset = dmin[:, None] * m.to(tl.float32)
+        for c in tl.static_range(4):  # 32-byte chunk c holds sub-blocks 2c (low) and 2c+1 (high)
+            code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
+            codes = tl.load(w_ptr + code_words[:, :, None] + words8[None, None, :])
+            codes = codes.to(tl.uint32, bitcast=True)  # [N, KB, 8]
+            for n in tl.static_range(2):
+                j = 2 * c + n
+                sc, m = scale_and_min(s1, s2, s3, j)
+                # Sub-block j's 32 x values as 8 int64 quads: word w's byte b is lane 4w + b.
+                x_quads = blocks_safe[:, None] * 64 + j * 8 + words8[None, :]  # [KB, 8]
+                for b_i in tl.static_range(BLOCK_B):
+                    b_row = tl.minimum(first_batch + b_i, batch - 1)
+                    x_row = x_ptr + b_row.to(tl.int64) * x_row_quads
+                    if X_PER_ROW:  # x loaded in the weight tile's own shape: no layout shuffle
+                        quad = tl.load(x_row + tl.broadcast_to(x_quads[None, :, :], (BLOCK_N, BLOCK_KB, 8)))
+                    else:
+                        quad = tl.load(x_row + x_quads)
+                    lo = quad.to(tl.int32)  # lanes 4w, 4w+1
+                    hi = (quad >> 32).to(tl.int32)  # lanes 4w+2, 4w+3
+                    qx = tl.zeros([BLOCK_N, BLOCK_KB, 8], dtype=tl.float32)
+                    if X_PER_ROW:
+                        x_sum = tl.zeros([BLOCK_N, BLOCK_KB, 8], dtype=tl.float32)
+                    else:
+                        x_sum = tl.zeros([BLOCK_KB, 8], dtype=tl.float32)
+                    for byte in tl.static_range(4):
+                        xv = widen(lo if byte < 2 else hi, byte % 2 == 1, X_IS_BF16)
+                        # The code lands in mantissa bits 19..22 of 1.0: the float is 1 + q/16,
+                        # exact, so sum((1 + q/16) x) - sum(x) = sum(q x) / 16 without any
+                        # int-to-float conversion.
+                        at = 8 * byte + 4 * n  # the code's bit position in the word
+                        if at <= 19:
+                            moved = codes << (19 - at)
+                        else:
+                            moved = codes >> (at - 19)
+                        q = ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                        if X_PER_ROW:
+                            qx += q * xv
+                        else:
+                            qx += q * xv[None, :, :]
+                        x_sum += xv
+                    if X_PER_ROW:
+                        sum_x = tl.sum(x_sum, axis=2)  # [N, KB], equal rows
+                    else:
+                        sum_x = tl.sum(x_sum, axis=1)[None, :]  # [1, KB]
+                    sum_qx = (tl.sum(qx, axis=2) - sum_x) * 16.0  # [N, KB]
+                    contribution = d * sc * sum_qx - dmin * m * sum_x
+                    if BLOCK_B == 1:
+                        acc += contribution[None, :, :]
+                    else:
+                        acc = tl.where(batch_ids[:, None, None] == b_i, acc + contribution[None, :, :], acc)
 
-        # Codes: chunk c's 32 bytes hold sub-block 2c in the low nibbles and 2c+1 in the high.
-        chunks = tl.arange(0, 4)
-        code_ptrs = (
-            w_bytes_ptr
-            + block[:, None, None]
-            + 16
-            + chunks[None, :, None] * 32
-            + lanes[None, None, :]
-        )
-        packed = tl.load(code_ptrs, mask=row_ok[:, None, None], other=0)  # [BLOCK_N, 4, 32]
-        nibbles = tl.join(packed & 0x0F, packed >> 4)  # [BLOCK_N, 4, 32, 2]
-        codes = tl.reshape(tl.permute(nibbles, (0, 1, 3, 2)), (BLOCK_N, 8, 32))
-        weights = step[:, :, None] * codes.to(tl.float32) - offset[:, :, None]
-
-        x_cols = kb * 256 + sub_blocks[:, None] * 32 + lanes[None, :]  # [8, 32]
-        for b in tl.static_range(BLOCK_B):
-            batch_row = first_batch + b
-            in_batch = (x_cols * 0 + batch_row) < batch  # the mask as a tile, not a scalar
-            x_row = x_ptr + batch_row.to(tl.int64) * x_row_stride
-            x = tl.load(x_row + x_cols, mask=in_batch, other=0.0).to(tl.float32)
-            partial = tl.sum(tl.sum(weights * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
-            acc = tl.where(tl.arange(0, BLOCK_B)[:, None] == b, acc + partial[None, :], acc)
-
-    out_ptrs = out_ptr + batch_ids.to(tl.int64)[:, None] * out_row_stride + rows[None, :]
-    out_ok = (batch_ids < batch)[:, None] & row_ok[None, :]
-    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_ok)
+    result = tl.sum(acc, axis=2)  # [B, N]
+    out_rows = first_batch + batch_ids
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * out_row_stride + rows[None, :]
+    out_ok = (out_rows < batch)[:, None] & (rows < n_rows)[None, :]
+    tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty), mask=out_ok)
 
 
 def _runs_triton(x: torch.Tensor) -> bool:
@@ -139,7 +220,9 @@ def _dequantize_q4_k(packed: torch.Tensor) -> torch.Tensor:
     return weights.reshape(*packed.shape[:-1], -1)
 
 
-def q4k_gemv(x: torch.Tensor, weight_q4k: torch.Tensor) -> torch.Tensor:
+def q4k_gemv(
+    x: torch.Tensor, weight_q4k: torch.Tensor, config: GemvConfig | None = None
+) -> torch.Tensor:
     """x [batch, K] @ dequantize(weight_q4k [N, K / 256 * 144]).T -> [batch, N] in x's dtype."""
     batch, k = x.shape
     n_rows = weight_q4k.shape[0]
@@ -149,29 +232,36 @@ def q4k_gemv(x: torch.Tensor, weight_q4k: torch.Tensor) -> torch.Tensor:
         or weight_q4k.shape[1] != k // QK_K * BLOCK_BYTES
     ):
         raise ValueError(f"weight must be uint8 [N, {k // QK_K * BLOCK_BYTES}] Q4_K rows for K={k}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     if not _runs_triton(x):
         return (x.float() @ _dequantize_q4_k(weight_q4k).T).to(x.dtype)
 
     weight_q4k = weight_q4k.contiguous()
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = x.contiguous()
     out = torch.empty((batch, n_rows), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    n_blocks = k // QK_K
+    config = config or pick_config(n_rows, n_blocks, batch)
     block_b = min(triton.next_power_of_2(batch), MAX_BATCH_PER_PROGRAM)
-    grid = (triton.cdiv(n_rows, BLOCK_N), triton.cdiv(batch, block_b))
+    grid = (triton.cdiv(n_rows, config.block_n), triton.cdiv(batch, block_b))
     q4k_gemv_kernel[grid](
-        x,
-        weight_q4k,
-        weight_q4k.view(torch.float16),
+        x.view(torch.int64),
+        weight_q4k.view(torch.int32),
         out,
         batch,
         n_rows,
-        k // QK_K,
-        x.stride(0),
+        n_blocks,
+        n_blocks * BLOCK_WORDS,
+        k // 4,
         out.stride(0),
-        BLOCK_N=BLOCK_N,
+        X_IS_BF16=x.dtype == torch.bfloat16,
+        BLOCK_N=config.block_n,
+        BLOCK_KB=config.block_kb,
         BLOCK_B=block_b,
-        num_warps=4,
+        X_PER_ROW=config.x_per_row,
+        num_warps=config.num_warps,
     )
     return out
 
@@ -184,13 +274,15 @@ class ModelNew(torch.nn.Module):
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = "triton" if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
-    for batch, n_rows, k, dtype in [(1, 32, 256, torch.bfloat16), (3, 20, 512, torch.float16)]:
+    cases = [(1, 32, 256, torch.bfloat16), (3, 20, 512, torch.float16), (1, 9, 1280, torch.bfloat16)]
+    for batch, n_rows, k, dtype in cases:
         weight = torch.randint(0, 256, (n_rows, k // QK_K * BLOCK_BYTES), dtype=torch.uint8)
         halves = weight.view(torch.float16)  # d and dmin of every block: finite, Llama-sized
         halves[:, 0::72] = (1e-4 * (0.5 + torch.rand(n_rows, k // QK_K))).half()
         halves[:, 1::72] = (7.5e-4 * (0.5 + torch.rand(n_rows, k // QK_K))).half()
         x = torch.randn(batch, k, dtype=dtype)
         expected = x.double() @ _dequantize_q4_k(weight).double().T
-        out = ModelNew()(x.to(device), weight.to(device))
-        torch.testing.assert_close(out.double().cpu(), expected, atol=1e-2, rtol=1e-2)
+        for config in [None, GemvConfig(2, 4, 1), GemvConfig(4, 8, 2, True)]:
+            out = q4k_gemv(x.to(device), weight.to(device), config)
+            torch.testing.assert_close(out.double().cpu(), expected, atol=1e-2, rtol=1e-2)
     print(f"q4k_gemv candidate ({path} path on {device}): ok")

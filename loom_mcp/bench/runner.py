@@ -2,8 +2,8 @@
 
 The task's inputs are prepared by the trusted reference worker; two warm sandboxed arms
 (baseline, candidate) connect back over a Unix socket and time one sample per request, in
-ABBA order. The server keeps every sample, samples clocks between pairs, compares output
-checksums taken at secret positions, applies the stopping rule, and computes the statistics.
+ABBA order. The server keeps every sample, samples clocks between pairs, compares
+output samples taken at secret positions, applies the stopping rule, and computes the statistics.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import math
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +33,8 @@ from loom_mcp.sandbox import JobSpec, run_job
 
 Progress = Callable[[str], Awaitable[None]]
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
-CHECKSUM_RTOL = 2e-2
+SAMPLE_RTOL = 2e-2  # see samples_agree
+SAMPLE_SCALE_TOL = 1e-2
 
 
 class ArmConnection:
@@ -66,11 +68,32 @@ def declared_kernels(source: str) -> set[str]:
     return names
 
 
-def sums_agree(a: list[float] | None, b: list[float] | None) -> bool:
-    if a is None or b is None or len(a) != len(b):
+def samples_agree(candidate: list[float] | None, baseline: list[float] | None) -> bool:
+    """Whether the candidate's sampled outputs match the baseline's, element by element.
+
+    Both arms timed the same freshly perturbed inputs (every element scaled by U(0.9, 1.1)),
+    so an output computed from stale inputs or taken from a cache is off by a few percent at
+    most positions. An honest kernel differs by rounding only: one bf16 step is 0.4-0.8 %, and
+    validation has already held it to the task's tolerance. The bound here is loose for
+    rounding and tight for stale data: 2 % of the value plus 1 % of the samples' median size
+    (so near-zero outputs compare on the output's scale, not their own), and a mismatch needs
+    more than a quarter of the positions off, so one unlucky element cannot reject a kernel.
+    """
+    if candidate is None or baseline is None or len(candidate) != len(baseline):
         return False
-    return all(math.isclose(x, y, rel_tol=CHECKSUM_RTOL, abs_tol=1e-3 * max(1.0, abs(y)))
-               or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+    if not baseline:
+        return True
+    finite = [abs(y) for y in baseline if math.isfinite(y)]
+    scale = statistics.median(finite) if finite else 0.0
+    off = 0
+    for x, y in zip(candidate, baseline, strict=True):
+        if math.isnan(x) and math.isnan(y):
+            continue
+        if not (math.isfinite(x) and math.isfinite(y)):
+            off += x != y
+        elif abs(x - y) > SAMPLE_RTOL * abs(y) + SAMPLE_SCALE_TOL * scale + 1e-12:
+            off += 1
+    return off * 4 <= len(baseline)
 
 
 async def benchmark_candidate(
@@ -214,7 +237,7 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         pair = 0
         record = samples[name]
         while True:
-            probe = [secrets.randbelow(1 << 30) for _ in range(16)]
+            probe = [secrets.randbelow(1 << 30) for _ in range(32)]
             salt = secrets.randbelow(1 << 30)
             before = clock_sampler() if clock_sampler else None
             order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
@@ -235,8 +258,10 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                         check="benchmark.timer_tampering", severity="error",
                         message=f"the {role} replaced harness functions while timed: "
                                 f"{', '.join(got[role]['tampered'])}"))
-            agree = cand["sums"] is not None and base["sums"] is not None and all(
-                sums_agree(c, b) for c, b in zip(cand["sums"], base["sums"], strict=True))
+            agree = cand["samples"] is not None and base["samples"] is not None and all(
+                samples_agree(c, b)
+                for c_call, b_call in zip(cand["samples"], base["samples"], strict=True)
+                for c, b in zip(c_call, b_call, strict=True))
             if not agree and not mismatch_reported:
                 mismatch_reported = True
                 findings.append(Finding(

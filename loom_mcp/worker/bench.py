@@ -141,7 +141,7 @@ class Arm:
     def _perturb(self, salt: int) -> None:
         """Give every input set content never seen before, identically in both arms: each floating
         element times U(0.9, 1.1) drawn from the salt. A result cache keyed by pointer or by
-        content then returns stale values, which the output checksums catch. In place, so
+        content then returns stale values, which the sampled-output comparison catches. In place, so
         captured graphs see it. Outside the timed region."""
         generator = torch.Generator(device=self.device).manual_seed(salt)
         for live_set, pristine_set in zip(self.current["inputs"], self.current["pristine"]):
@@ -183,17 +183,17 @@ class Arm:
                 outputs.append(self._launch(i))
                 times.append(_perf_counter() - t0)
         synchronize(self.device)
-        sums = []
+        samples = []  # the output values at the probed positions, per call and output
         for out_list in outputs:
             one = []
             for out in out_list:
                 if type(out) is not torch.Tensor:
-                    return {"times": times, "sums": None, "error": "output is not a plain torch.Tensor"}
+                    return {"times": times, "samples": None, "error": "output is not a plain torch.Tensor"}
                 flat = out.detach().reshape(-1)
                 idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
-                one.append(float(flat[idx].double().sum()) if flat.numel() else 0.0)
-            sums.append(one)
-        return {"times": times, "sums": sums, "error": None, "tampered": tampered()}
+                one.append(flat[idx].double().cpu().tolist() if flat.numel() else [])
+            samples.append(one)
+        return {"times": times, "samples": samples, "error": None, "tampered": tampered()}
 
     def kernels(self) -> dict:
         """Names of the device kernels one forward launches: the proof that they ran."""

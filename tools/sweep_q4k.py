@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Sweep the Q4_K kernels' tile configurations on a GPU and print effective bandwidth.
+
+    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm]
+
+Each configuration runs on rotating weight copies whose total exceeds 3x the L2 cache, inside
+one CUDA graph (so launch gaps and L2 hits do not flatter it); the figure is the median over
+replays of (graph time / calls). The configuration each kernel's `pick_config` should choose
+is read off this table; the judge's own benchmark then confirms it through the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_rotating(fn, sets: list[tuple], replays: int = 20) -> tuple[float, float, float]:
+    """(median, p10, p90) seconds per call over graph replays of one call per input set."""
+    for args in sets[:2]:
+        fn(*args)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in sets[:2]:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in sets:
+            fn(*args)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(sets))
+    times.sort()
+    return statistics.median(times), times[len(times) // 10], times[-1 - len(times) // 10]
+
+
+def rotating_sets(make, bytes_each: int) -> list[tuple]:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    count = max(4, min(64, (3 * l2) // max(bytes_each, 1) + 1))
+    return [make() for _ in range(count)]
+
+
+def sweep_gemv(rows: list[dict]) -> None:
+    task = load(REPO / "kernels/q4k_gemv/task.py", "sweep_gemv_task")
+    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "sweep_gemv_cand")
+    base = load(REPO / "kernels/q4k_gemv/baseline.py", "sweep_gemv_base")
+    shapes = [(1, 4096, 4096), (1, 1024, 4096), (1, 14336, 4096), (1, 4096, 14336), (8, 14336, 4096)]
+    configs = [
+        cand.GemvConfig(bn, kb, w, xr)
+        for bn, kb, w, xr in itertools.product([2, 4, 8, 16], [8, 16], [1, 2, 4], [False, True])
+        if bn * kb * 8 >= 32 * w * 2 and bn * kb <= 128
+    ]
+    for batch, n, k in shapes:
+        weight_bytes = n * k // 256 * 144
+
+        def make():
+            x, w = task.get_inputs(batch=batch, n=n, k=k)
+            return x.cuda(), w.cuda()
+
+        sets = rotating_sets(make, weight_bytes)
+        x0, w0 = sets[0]
+        expected = base.ModelNew()(x0, w0).float()
+        ideal = task.bytes_moved(batch=batch, n=n, k=k)
+        base_t = time_rotating(base.ModelNew(), sets[:4], replays=5)[0]
+        best = None
+        for config in configs:
+            try:
+                out = cand.q4k_gemv(x0, w0, config).float()
+                err = (out - expected).abs().max().item()
+                med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemv(x, w, c), sets)
+            except Exception as exc:  # a config that fails to compile is a row, not a crash
+                rows.append({"kernel": "q4k_gemv", "shape": [batch, n, k], "config": config._asdict(), "error": repr(exc)[:300]})
+                continue
+            row = {"kernel": "q4k_gemv", "shape": [batch, n, k], "config": config._asdict(),
+                   "us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
+                   "tb_s": ideal / med / 1e12, "max_err_vs_baseline": err,
+                   "speedup_vs_naive": base_t / med}
+            rows.append(row)
+            if best is None or med < best["us"] / 1e6:
+                best = row
+        default = cand.q4k_gemv  # what pick_config chooses
+        med, p10, p90 = time_rotating(default, sets)
+        print(f"gemv b{batch} {n}x{k}: naive {base_t * 1e6:.1f} us; default {med * 1e6:.2f} us "
+              f"({ideal / med / 1e12:.2f} TB/s); best {best and best['config']} "
+              f"{best and round(best['us'], 2)} us ({best and round(best['tb_s'], 2)} TB/s)", flush=True)
+        rows.append({"kernel": "q4k_gemv", "shape": [batch, n, k], "config": "default",
+                     "us": med * 1e6, "tb_s": ideal / med / 1e12, "naive_us": base_t * 1e6})
+        del sets
+        torch.cuda.empty_cache()
+
+
+def sweep_gemm(rows: list[dict]) -> None:
+    path = REPO / "kernels/q4k_gemm/candidate.py"
+    if not path.exists():
+        print("no q4k_gemm candidate yet", flush=True)
+        return
+    task = load(REPO / "kernels/q4k_gemm/task.py", "sweep_gemm_task")
+    cand = load(path, "sweep_gemm_cand")
+    base = load(REPO / "kernels/q4k_gemm/baseline.py", "sweep_gemm_base")
+    for m in [16, 64, 256, 1024, 2048]:
+        for n, k in [(14336, 4096), (4096, 14336)]:
+            def make():
+                x, w = task.get_inputs(m=m, n=n, k=k)
+                return x.cuda(), w.cuda()
+
+            sets = rotating_sets(make, n * k // 256 * 144 + m * k * 2)
+            x0, w0 = sets[0]
+            dense = cand.dequantize_to(w0, torch.bfloat16)
+            flops = 2.0 * m * n * k
+            cublas = time_rotating(lambda x, w: x @ dense.T, sets[:4])[0]
+            base_t = time_rotating(base.ModelNew(), sets[:4], replays=5)[0]
+            expected = (x0.float() @ dense.float().T)
+            for config in cand.sweep_configs(m):
+                try:
+                    out = cand.q4k_gemm(x0, w0, config).float()
+                    err = ((out - expected).abs().max() / expected.abs().max()).item()
+                    med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemm(x, w, c), sets, replays=10)
+                except Exception as exc:
+                    rows.append({"kernel": "q4k_gemm", "shape": [m, n, k], "config": config._asdict(), "error": repr(exc)[:300]})
+                    continue
+                rows.append({"kernel": "q4k_gemm", "shape": [m, n, k], "config": config._asdict(),
+                             "us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
+                             "tflops": flops / med / 1e12, "cublas_tflops": flops / cublas / 1e12,
+                             "naive_us": base_t * 1e6, "rel_err": err})
+                print(f"gemm m{m} {n}x{k} {config}: {med * 1e6:.1f} us {flops / med / 1e12:.0f} TFLOP/s "
+                      f"(cuBLAS {flops / cublas / 1e12:.0f}, naive {base_t * 1e6:.0f} us) err {err:.1e}", flush=True)
+            del sets, dense
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--only", default="gemv,gemm")
+    args = parser.parse_args()
+    rows: list[dict] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        if "gemv" in args.only:
+            sweep_gemv(rows)
+        if "gemm" in args.only:
+            sweep_gemm(rows)
+    finally:
+        (args.out / "sweep_q4k.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
