@@ -72,7 +72,13 @@ def sweep_gemv(rows: list[dict]) -> None:
     task = load(REPO / "kernels/q4k_gemv/task.py", "sweep_gemv_task")
     cand = load(REPO / "kernels/q4k_gemv/candidate.py", "sweep_gemv_cand")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "sweep_gemv_base")
-    shapes = [(1, 4096, 4096), (1, 1024, 4096), (1, 14336, 4096), (1, 4096, 14336), (8, 14336, 4096)]
+    shapes = [
+        (1, 4096, 4096),
+        (1, 1024, 4096),
+        (1, 14336, 4096),
+        (1, 4096, 14336),
+        (8, 14336, 4096),
+    ]
     configs = [
         cand.GemvConfig(bn, kb, w, xr)
         for bn, kb, w, xr in itertools.product([2, 4, 8, 16], [8, 16], [1, 2, 4], [False, True])
@@ -81,7 +87,7 @@ def sweep_gemv(rows: list[dict]) -> None:
     for batch, n, k in shapes:
         weight_bytes = n * k // 256 * 144
 
-        def make():
+        def make(batch=batch, n=n, k=k):
             x, w = task.get_inputs(batch=batch, n=n, k=k)
             return x.cuda(), w.cuda()
 
@@ -97,22 +103,47 @@ def sweep_gemv(rows: list[dict]) -> None:
                 err = (out - expected).abs().max().item()
                 med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemv(x, w, c), sets)
             except Exception as exc:  # a config that fails to compile is a row, not a crash
-                rows.append({"kernel": "q4k_gemv", "shape": [batch, n, k], "config": config._asdict(), "error": repr(exc)[:300]})
+                rows.append(
+                    {
+                        "kernel": "q4k_gemv",
+                        "shape": [batch, n, k],
+                        "config": config._asdict(),
+                        "error": repr(exc)[:300],
+                    }
+                )
                 continue
-            row = {"kernel": "q4k_gemv", "shape": [batch, n, k], "config": config._asdict(),
-                   "us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
-                   "tb_s": ideal / med / 1e12, "max_err_vs_baseline": err,
-                   "speedup_vs_naive": base_t / med}
+            row = {
+                "kernel": "q4k_gemv",
+                "shape": [batch, n, k],
+                "config": config._asdict(),
+                "us": med * 1e6,
+                "p10_us": p10 * 1e6,
+                "p90_us": p90 * 1e6,
+                "tb_s": ideal / med / 1e12,
+                "max_err_vs_baseline": err,
+                "speedup_vs_naive": base_t / med,
+            }
             rows.append(row)
             if best is None or med < best["us"] / 1e6:
                 best = row
         default = cand.q4k_gemv  # what pick_config chooses
         med, p10, p90 = time_rotating(default, sets)
-        print(f"gemv b{batch} {n}x{k}: naive {base_t * 1e6:.1f} us; default {med * 1e6:.2f} us "
-              f"({ideal / med / 1e12:.2f} TB/s); best {best and best['config']} "
-              f"{best and round(best['us'], 2)} us ({best and round(best['tb_s'], 2)} TB/s)", flush=True)
-        rows.append({"kernel": "q4k_gemv", "shape": [batch, n, k], "config": "default",
-                     "us": med * 1e6, "tb_s": ideal / med / 1e12, "naive_us": base_t * 1e6})
+        print(
+            f"gemv b{batch} {n}x{k}: naive {base_t * 1e6:.1f} us; default {med * 1e6:.2f} us "
+            f"({ideal / med / 1e12:.2f} TB/s); best {best and best['config']} "
+            f"{best and round(best['us'], 2)} us ({best and round(best['tb_s'], 2)} TB/s)",
+            flush=True,
+        )
+        rows.append(
+            {
+                "kernel": "q4k_gemv",
+                "shape": [batch, n, k],
+                "config": "default",
+                "us": med * 1e6,
+                "tb_s": ideal / med / 1e12,
+                "naive_us": base_t * 1e6,
+            }
+        )
         del sets
         torch.cuda.empty_cache()
 
@@ -127,7 +158,8 @@ def sweep_gemm(rows: list[dict]) -> None:
     base = load(REPO / "kernels/q4k_gemm/baseline.py", "sweep_gemm_base")
     for m in [16, 64, 256, 1024, 2048]:
         for n, k in [(14336, 4096), (4096, 14336)]:
-            def make():
+
+            def make(m=m, n=n, k=k):
                 x, w = task.get_inputs(m=m, n=n, k=k)
                 return x.cuda(), w.cuda()
 
@@ -135,24 +167,46 @@ def sweep_gemm(rows: list[dict]) -> None:
             x0, w0 = sets[0]
             dense = cand.dequantize_to(w0, torch.bfloat16)
             flops = 2.0 * m * n * k
-            cublas = time_rotating(lambda x, w: x @ dense.T, sets[:4])[0]
+            cublas = time_rotating(lambda x, w, dense=dense: x @ dense.T, sets[:4])[0]
             base_t = time_rotating(base.ModelNew(), sets[:4], replays=5)[0]
-            expected = (x0.float() @ dense.float().T)
+            expected = x0.float() @ dense.float().T
             for config in cand.sweep_configs(m):
                 try:
                     out = cand.q4k_gemm(x0, w0, config).float()
                     err = ((out - expected).abs().max() / expected.abs().max()).item()
-                    med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemm(x, w, c), sets, replays=10)
+                    med, p10, p90 = time_rotating(
+                        lambda x, w, c=config: cand.q4k_gemm(x, w, c), sets, replays=10
+                    )
                 except Exception as exc:
-                    rows.append({"kernel": "q4k_gemm", "shape": [m, n, k], "config": config._asdict(), "error": repr(exc)[:300]})
+                    rows.append(
+                        {
+                            "kernel": "q4k_gemm",
+                            "shape": [m, n, k],
+                            "config": config._asdict(),
+                            "error": repr(exc)[:300],
+                        }
+                    )
                     continue
-                rows.append({"kernel": "q4k_gemm", "shape": [m, n, k], "config": config._asdict(),
-                             "us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6,
-                             "tflops": flops / med / 1e12, "cublas_tflops": flops / cublas / 1e12,
-                             "naive_us": base_t * 1e6, "rel_err": err})
-                print(f"gemm m{m} {n}x{k} {config}: {med * 1e6:.1f} us {flops / med / 1e12:.0f} TFLOP/s "
-                      f"(cuBLAS {flops / cublas / 1e12:.0f}, naive {base_t * 1e6:.0f} us) err {err:.1e}", flush=True)
-            del sets, dense
+                rows.append(
+                    {
+                        "kernel": "q4k_gemm",
+                        "shape": [m, n, k],
+                        "config": config._asdict(),
+                        "us": med * 1e6,
+                        "p10_us": p10 * 1e6,
+                        "p90_us": p90 * 1e6,
+                        "tflops": flops / med / 1e12,
+                        "cublas_tflops": flops / cublas / 1e12,
+                        "naive_us": base_t * 1e6,
+                        "rel_err": err,
+                    }
+                )
+                print(
+                    f"gemm m{m} {n}x{k} {config}: {med * 1e6:.1f} us {flops / med / 1e12:.0f} TFLOP/s "
+                    f"(cuBLAS {flops / cublas / 1e12:.0f}, naive {base_t * 1e6:.0f} us) err {err:.1e}",
+                    flush=True,
+                )
+            del sets
             torch.cuda.empty_cache()
 
 
