@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
 # Passed through to the server (the MCP client otherwise hands it only HOME, PATH, USER, ...).
 PASS_ENV = (
+    "PYTHONPATH",
     "CUDA_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
