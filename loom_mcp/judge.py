@@ -226,7 +226,8 @@ def flush_bytes_for(target: Target) -> int:
 
 
 def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], gate: GateConfig,
-                        seconds: float, device_state: dict | None) -> BenchmarkResult:
+                        seconds: float, device_state: dict | None,
+                        baseline: str = "the task's Model") -> BenchmarkResult:
     shapes = [
         ShapeSpeed(
             name=s.name, baseline_median_s=s.baseline.median, candidate_median_s=s.candidate.median,
@@ -254,7 +255,7 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
         throttled_samples_dropped=evidence.throttled_samples_dropped,
         proof_of_execution=evidence.proof_of_execution, proof_note=evidence.proof_note,
         findings=[_finding(f) for f in findings], device_state=device_state,
-        seconds=round(seconds, 3), next_step=next_step)
+        seconds=round(seconds, 3), baseline=baseline, next_step=next_step)
 
 
 def _clock_sampler(target: Target):
@@ -269,12 +270,24 @@ def _clock_sampler(target: Target):
     return None
 
 
+def task_baseline(task_path: Path) -> str | None:
+    """The task's own BASELINE file, if it names one: what to time when the caller names no
+    baseline, because some tasks' Model is a correctness oracle (a CPU float64 reference)
+    whose speed means nothing."""
+    from loom_mcp.validate.taskfile import read_task
+
+    name = read_task(task_path).baseline
+    return str(task_path.parent / name) if name else None
+
+
 async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
                         candidate: str, baseline: str | None, shapes: list[str] | None,
                         campaign_id: str | None, progress: Progress | None
                         ) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
     task_path = check_file(config, task, "task")
     cand_path = check_file(config, candidate, "candidate")
+    if not baseline:
+        baseline = task_baseline(task_path)
     base_path = check_file(config, baseline, "baseline") if baseline else None
     target = await pick_target(config)
     gate = config.gate
@@ -295,7 +308,8 @@ async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactS
                  "sm_clock_mhz_after": after.get("sm_clock_mhz"),
                  "temperature_c_after": after.get("temperature_c"),
                  "power_w_after": after.get("power_w")}
-    result = summarize_benchmark(evidence, findings, gate, time.monotonic() - started, state)
+    result = summarize_benchmark(evidence, findings, gate, time.monotonic() - started, state,
+                                 baseline=str(base_path) if base_path else "the task's Model")
     store_record(ledger, artifacts, run_id, "benchmark",
                  {"evidence": evidence.model_dump(), "findings": [f.model_dump() for f in findings],
                   "task": str(task_path), "candidate": str(cand_path),

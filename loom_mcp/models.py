@@ -226,6 +226,11 @@ class BenchmarkResult(_Model):
     findings: list[CheckFinding]
     device_state: dict[str, float | str | None] | None = None
     seconds: float
+    baseline: str = Field(
+        default="the task's Model",
+        description="What the candidate was timed against: the baseline file given, the task's "
+        "BASELINE file, or the task's Model",
+    )
     next_step: str
 
 

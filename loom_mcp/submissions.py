@@ -93,6 +93,17 @@ async def submit_candidate(
             change = _frozen_outside_change(cand_path)
             cand_rel = next(iter(change.files))
         task_rel = _relative_in(repo, task_path)
+        # The task (and the baseline it names) define the verdict; a submission may not edit them.
+        guarded = {task_rel} if task_rel else set()
+        if task_rel:
+            declared = judge.task_baseline(task_path)
+            if declared:
+                guarded.add(str(Path(task_rel).parent / Path(declared).name))
+        touched = sorted(guarded & set(change.files))
+        if touched:
+            raise LoomError(ErrorCode.BAD_INPUT,
+                            f"the submission changes {', '.join(touched)}: the task and its baseline are "
+                            "the yardstick, not part of the candidate; submit only the candidate's files")
         task_sha = artifacts.put_file(task_path, kind="task")
         frozen_bytes = change.content_bytes(cand_rel) if cand_rel in change.files else None
         # Unchanged since the base (only other paths changed): the file as it is now is the candidate.

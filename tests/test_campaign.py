@@ -177,3 +177,50 @@ async def test_two_clients_submitting_at_once_stay_linear(setup, tmp_path):
     # Linear: every accepted commit is on the branch, each the parent of the next.
     assert {c.hexsha for c in log[: len(commits)]} == set(commits)
     assert all(len(c.parents) == 1 for c in log[: len(commits)])
+
+
+@pytest.mark.anyio
+async def test_a_submission_may_not_edit_the_task(setup):
+    """The task is the yardstick: a change that loosens it is refused before anything runs."""
+    repo, home = setup
+    async with Client(build_server(load_config(home))) as client:
+        cid = await start(client, repo)
+        (repo / "task.py").write_text((repo / "task.py").read_text() + "\nTOLERANCE = {'float32': {'atol': 1.0, 'rtol': 1.0}}\n")
+        result = await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"), "candidate": str(repo / "cheat.py"),
+            "paths": ["task.py"]})
+    assert result.is_error and "[BAD_INPUT]" in result.content[0].text
+    assert "task.py" in result.content[0].text
+
+
+SLOW_ORACLE_TASK = '''
+import time
+import torch
+BASELINE = "plain.py"
+class Model(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.02)  # an oracle: correct, and no speed reference
+        return x * 2.0
+def get_inputs():
+    return [torch.randn(4096)]
+def get_init_inputs():
+    return []
+'''
+PLAIN = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return x * 2.0\n"
+
+
+@pytest.mark.anyio
+async def test_benchmark_times_the_tasks_baseline_not_its_oracle(setup):
+    """A task whose Model is a slow oracle names a BASELINE; timing against the oracle would
+    report a 1000x 'speedup' for a copy of the baseline."""
+    repo, home = setup
+    (repo / "oracle_task.py").write_text(SLOW_ORACLE_TASK)
+    (repo / "plain.py").write_text(PLAIN)
+    (repo / "same.py").write_text(PLAIN)
+    async with Client(build_server(load_config(home))) as client:
+        result = await client.call_tool("benchmark", {
+            "task": str(repo / "oracle_task.py"), "candidate": str(repo / "same.py")})
+    assert result.is_error is False, result.content
+    speedup = result.structured_content["geomean_speedup"]
+    assert 0.5 < speedup < 2.0, speedup
+    assert result.structured_content["baseline"].endswith("plain.py")

@@ -390,3 +390,13 @@ def test_dtypes_the_task_mentions():
         "def get_inputs(dtype):\n    return []\ndef get_init_inputs():\n    return []\n"
     )
     assert parse_task_source(src).dtypes == ["fp16", "fp8"]
+
+
+def test_baseline_names_a_file_beside_the_task():
+    body = "def get_inputs():\n    return []\n\ndef get_init_inputs():\n    return []\n\n"
+    spec = parse_task_source(task_with(body + 'BASELINE = "baseline.py"\n'), "t.py")
+    assert spec.baseline == "baseline.py"
+    assert parse_task_source(task_with(body), "t.py").baseline is None
+    for value in ('"../elsewhere.py"', '"sub/b.py"', '"b.txt"', "3"):
+        err = bad(task_with(body + f"BASELINE = {value}\n"))
+        assert "BASELINE" in err.message

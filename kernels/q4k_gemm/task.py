@@ -29,6 +29,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 QK_K = 256  # weights per Q4_K block
+
+# The Model is a CPU oracle (numpy dequantization, float64 product): correct, and far too slow to
+# be a speed reference. The benchmark times baseline.py, the plain-PyTorch path, instead.
+BASELINE = "baseline.py"
 BLOCK_BYTES = 144  # bytes per Q4_K block
 
 SHAPES: list[dict] = [

@@ -4,7 +4,8 @@ A task is KernelBench-compatible: `class Model`, `get_inputs()`, `get_init_input
 optional extensions are read here too: `SHAPES` (a literal list of shape dicts; each is passed
 as keyword arguments to get_inputs / get_init_inputs / flops / bytes_moved, filtered to the
 parameters each accepts, exactly as the worker does), `TOLERANCE` (literal {dtype: {atol, rtol}}),
-a `check(out, ref)` function, `flops(**shape)`, `bytes_moved(**shape)` and `NONDETERMINISTIC`.
+a `check(out, ref)` function, `flops(**shape)`, `bytes_moved(**shape)`, `NONDETERMINISTIC` and
+`BASELINE` (a file beside the task that the benchmark times when no baseline is given).
 
 Every problem is a `LoomError(BAD_INPUT)` naming `file:line`, so the agent (or the human writing
 the task) can fix it without guessing.
@@ -108,6 +109,11 @@ class TaskSpec(_Model):
     flops: Signature | None = None
     bytes_moved: Signature | None = None
     nondeterministic: bool = False
+    baseline: str | None = Field(
+        default=None,
+        description="BASELINE: a file beside the task that times the slow path when the Model "
+        "is only a correctness oracle (a CPU or float64 reference)",
+    )
     dtypes: list[str] = Field(
         default_factory=list,
         description="Canonical dtypes the task mentions (torch.bfloat16, 'fp16' in SHAPES, ...); "
@@ -486,6 +492,14 @@ def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
             raise _fail(path, nd_stmt.lineno, "NONDETERMINISTIC must be True or False")
         nondeterministic = nd
 
+    baseline = None
+    base_stmt = top.get("BASELINE")
+    if base_stmt is not None:
+        value = consts.get("BASELINE")
+        if not isinstance(value, str) or "/" in value or "\\" in value or not value.endswith(".py"):
+            raise _fail(path, base_stmt.lineno, "BASELINE must be the name of a .py file beside the task")
+        baseline = value
+
     spec = TaskSpec(
         path=path,
         model_line=model.lineno,
@@ -500,6 +514,7 @@ def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
         flops=_function(path, top, "flops", required=False),
         bytes_moved=_function(path, top, "bytes_moved", required=False),
         nondeterministic=nondeterministic,
+        baseline=baseline,
         dtypes=_mentioned_dtypes(tree),
     )
     _check_shape_arguments(path, spec)
