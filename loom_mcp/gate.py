@@ -241,7 +241,12 @@ def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Rea
                 f"{_fmt_ratio(config.max_plausible_speedup)}.",
             )
     if benchmark.timer in GPU_TIMERS:
-        if config.require_proof_of_execution:
+        if not benchmark.proof_applicable:
+            out.warnings.append(
+                "The candidate defines no kernels of its own; its speed is framework code's, "
+                "measured by the same device timer."
+            )
+        elif config.require_proof_of_execution:
             note = f" ({benchmark.proof_note})" if benchmark.proof_note else ""
             if benchmark.proof_of_execution is False:
                 out.add(

@@ -301,6 +301,11 @@ class BenchmarkEvidence(_Model):
         "not; None: not established",
     )
     proof_note: str | None = None
+    proof_applicable: bool = Field(
+        default=True,
+        description="False when the candidate defines no kernels of its own (framework code "
+        "only): there is nothing of its own to prove ran, and the same timer measured it",
+    )
 
 
 # ---------------------------------------------------------------- verdict

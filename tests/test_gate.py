@@ -482,3 +482,15 @@ def test_ratio_ci_must_hold_its_estimate():
         ratio(1.1, 1.2, 1.3)
     with pytest.raises(ValueError):
         ratio(1.1, 1.0, 1.2, level=1.5)
+
+
+def test_framework_only_candidate_needs_no_proof():
+    """A candidate with no kernels of its own (torch ops only) has nothing to prove ran; the
+    device timer measured it like any other, so the proof rule does not send it to review."""
+    b = good_benchmark(proof_of_execution=None, proof_applicable=False,
+                       proof_note="the candidate defines no kernels of its own; nothing to prove")
+    v = judge(benchmark=b)
+    assert v.verdict == "accept", v.reasons
+    assert any("no kernels of its own" in w for w in v.warnings)
+    unknown = judge(benchmark=good_benchmark(proof_of_execution=None))
+    assert unknown.verdict == "needs_review" and "review.proof_unknown" in unknown.reason_codes

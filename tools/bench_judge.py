@@ -157,6 +157,8 @@ async def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--only", default="fidelity,repeat,power,turnaround")
     parser.add_argument("--tries", type=int, default=20)
+    parser.add_argument("--max-time-s", type=float, default=None,
+                        help="cap the stopping rule's time per shape (the A/A runs hit it every time)")
     args = parser.parse_args()
     only = set(args.only.split(","))
 
@@ -167,6 +169,9 @@ async def main() -> int:
     from loom_mcp.server import open_services
 
     work = Path(tempfile.mkdtemp(prefix="loom-bench-"))
+    if args.max_time_s:
+        (work / "home").mkdir(parents=True, exist_ok=True)
+        (work / "home" / "loom.toml").write_text(f"[gate]\nmax_time_s = {args.max_time_s}\n")
     config = load_config(work / "home", environ={"LOOM_ALLOWED_ROOTS": f"{work}{os.pathsep}{REPO}"})
     services = open_services(config)
     results: dict = {}
@@ -209,6 +214,7 @@ async def main() -> int:
         less = write(work / "five_pct_candidate.py", FIVE_PCT_CANDIDATE)
         same = write(work / "same_as_baseline.py", SAME_AS_BASELINE)
         verdicts: dict[str, list[str]] = {"a_vs_a": [], "five_pct_less": []}
+        reasons: dict[str, list[list[str]]] = {"a_vs_a": [], "five_pct_less": []}
         speedups: dict[str, list[float]] = {"a_vs_a": [], "five_pct_less": []}
         validations = {}
         for label, cand in (("a_vs_a", same), ("five_pct_less", less)):
@@ -220,10 +226,13 @@ async def main() -> int:
                 _, evidence, _ = await bench(task, cand)
                 verdict = decide(CompileEvidence(ok=True), validations[label], evidence, config.gate)
                 verdicts[label].append(verdict.verdict)
+                reasons[label].append(verdict.reason_codes)
                 speedups[label].append(evidence.geomean.estimate)
-            print(f"power try {i + 1}: A/A {verdicts['a_vs_a'][-1]} ({speedups['a_vs_a'][-1]:.4f}), "
-                  f"5% {verdicts['five_pct_less'][-1]} ({speedups['five_pct_less'][-1]:.4f})", flush=True)
-        results["power"] = {k: {"verdicts": v, "accepts": v.count("accept"), "speedups": speedups[k]}
+            print(f"power try {i + 1}: A/A {verdicts['a_vs_a'][-1]} ({speedups['a_vs_a'][-1]:.4f}) "
+                  f"{reasons['a_vs_a'][-1]}, 5% {verdicts['five_pct_less'][-1]} "
+                  f"({speedups['five_pct_less'][-1]:.4f}) {reasons['five_pct_less'][-1]}", flush=True)
+        results["power"] = {k: {"verdicts": v, "accepts": v.count("accept"), "speedups": speedups[k],
+                                "reason_codes": reasons[k]}
                             for k, v in verdicts.items()}
 
     if "turnaround" in only:

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         else None,
         "kernel_path": "triton" if on_gpu or interpreted else "torch-fallback",
         "decode_linear": "q4k_gemv candidate",
-        "prefill_linear": "dequantize_q4_k + dense matmul (no Q4_K GEMM kernel yet)",
+        "prefill_linear": "q4k_gemm candidate (Triton dequantization + dense matmul)",
         "graph_capture": use_graph,
         "device": torch.cuda.get_device_name(device)
         if on_gpu

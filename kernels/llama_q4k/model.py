@@ -4,8 +4,8 @@ The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedF
 
 - Linears keep their Q4_K bytes packed (uint8 [out, in / 256 * 144], as GGUF stores them).
   Decode (at most 8 rows) runs the q4k_gemv candidate, which dequantizes in registers. Prefill
-  dequantizes the whole matrix (kernels/q4k/format.py) and calls the framework's dense matmul:
-  a stopgap until there is a Q4_K GEMM kernel.
+  runs the q4k_gemm candidate's path: one Triton pass dequantizes the matrix to the activation
+  dtype, then the framework's dense matmul (cuBLAS on a GPU).
 - q/k/v and gate/up are each fused into one matrix, so decode launches one GEMV where it
   would otherwise launch three (or two); packed rows concatenate like any other rows.
 - RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul candidates. These run Triton on
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.q4k.format import dequantize_q4_k
+from kernels.q4k_gemm.candidate import dequantize_to
 from kernels.q4k_gemv.candidate import q4k_gemv
 from kernels.rmsnorm.candidate import rmsnorm
 from kernels.rope.candidate import apply_rope
@@ -124,8 +125,8 @@ class Q4KLinear(nn.Module):
         if rows.shape[0] <= GEMV_MAX_ROWS:
             out = q4k_gemv(rows, self.weight)
         else:
-            # Prefill: no Q4_K GEMM kernel yet, so dequantize the matrix and use the dense one.
-            out = rows @ dequantize_q4_k(self.weight).to(x.dtype).T
+            # Prefill: compute-bound from ~60 rows; the dense matmul wants the weights dequantized.
+            out = rows @ dequantize_to(self.weight, x.dtype).T
         return out.reshape(*x.shape[:-1], -1)
 
 

@@ -180,7 +180,7 @@ async def benchmark_candidate(
                             if hello.get("error"):
                                 raise ArmError(conn.role, hello["error"])
                             arms[conn.role] = conn
-                    graph_used, proof, proof_note = await _run_pairs(
+                    graph_used, proof, proof_note, proof_applicable = await _run_pairs(
                         arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
                 except ArmError as exc:
                     tg.cancel_scope.cancel()
@@ -217,6 +217,7 @@ async def benchmark_candidate(
         geomean=stats.geomean, throttled_samples_dropped=stats.throttled_samples_dropped,
         outliers_dropped=stats.outliers_dropped, l2_flushed=flush_bytes > 0,
         graph_replay=graph_used, proof_of_execution=proof, proof_note=proof_note,
+        proof_applicable=proof_applicable,
     )
     return evidence, findings
 
@@ -276,16 +277,16 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 await say(f"{name}: {pair} pairs, {elapsed:.1f} s")
         await say(f"{name}: {pair} pairs done")
 
-    proof, note = None, "proof of execution needs a GPU profiler (CPU run)"
+    proof, note, applicable = None, "proof of execution needs a GPU profiler (CPU run)", True
     listing = await arms["candidate"].ask({"op": "kernels"}, timeout_s)
     if listing.get("kernels") is not None:
         declared = declared_kernels(candidate.read_text())
         seen = listing["kernels"]
         if not declared:
-            proof, note = None, "the candidate defines no kernels of its own; nothing to prove"
+            proof, note, applicable = None, "the candidate defines no kernels of its own; nothing to prove", False
         else:
             hit = sorted(d for d in declared if any(d in k for k in seen))
             proof = bool(hit)
             note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
                     f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
-    return graph_used, proof, note
+    return graph_used, proof, note, applicable
