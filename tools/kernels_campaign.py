@@ -325,6 +325,9 @@ async def campaign(params, repo: Path, tasks: list[str], timeout: float, goal: s
                     await read_json_resource(client, f"loom://runs/{res['validation_id']}")
                 )
             say(f"    {task}: {row['verdict']} {fmt_speedup(row)} in {row['wall_s']} s")
+            # The ids go to the log at once, so a run cut short still names its evidence.
+            say(f"      evidence: submission {row.get('submission_id')}, validation "
+                f"{row.get('validation_id')}, benchmark {row.get('benchmark_id')}, commit {row.get('commit')}")
             for reason in row.get("reasons") or []:
                 say(f"      - {reason[:240]}")
             out["results"].append(row)
