@@ -83,6 +83,9 @@ def sweep_gemv(rows: list[dict]) -> None:
         cand.GemvConfig(bn, kb, w, xr)
         for bn, kb, w, xr in itertools.product([2, 4, 8, 16], [8, 16], [1, 2, 4], [False, True])
         if bn * kb * 8 >= 32 * w * 2 and bn * kb <= 128
+    ] + [  # the TF32 tensor-core variant
+        cand.GemvConfig(bn, kb, w, method="mma")
+        for bn, kb, w in [(64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8), (64, 4, 8)]
     ]
     for batch, n, k in shapes:
         weight_bytes = n * k // 256 * 144

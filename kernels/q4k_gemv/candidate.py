@@ -17,6 +17,12 @@ weight at HBM speed. What it does for that:
 - x (bf16 or fp16) is read as int64 quads and widened by bit operations (bf16) or a cast (fp16).
 - Decode batches up to 8 rows of x share each weight load.
 
+A second kernel, `q4k_gemv_mma_kernel` (`GemvConfig(method="mma")`), hands the dequantized
+fp32 weights to the tensor cores in TF32 instead: per weight only the shift, the mask-or and one
+FMA stay on the CUDA cores. It is correct under the interpreter and lowers to Hopper wgmma
+without spills; `pick_config` keeps the CUDA-core kernel, the faster one measured so far, until
+`tools/sweep_q4k.py` has timed this one on a GPU.
+
 Where it runs: on a GPU tensor (CUDA or ROCm) the Triton kernel always runs. On a CPU tensor the
 kernel runs only under the interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
 without it, `forward` dequantizes with torch and multiplies in fp32, so the model works anywhere.
@@ -44,6 +50,7 @@ class GemvConfig(NamedTuple):
     block_kb: int  # Q4_K blocks of each row per loop step
     num_warps: int
     x_per_row: bool = False  # load x per weight row (no layout shuffle) or once per tile
+    method: str = "fma"  # "fma": CUDA-core dot products; "mma": TF32 tensor cores (see below)
 
 
 def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
@@ -200,6 +207,95 @@ def q4k_gemv_kernel(
     tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty), mask=out_ok)
 
 
+@triton.jit
+def dequantize_byte(codes, slope, intercept, at: tl.constexpr):
+    """Weights of the codes at bit `at` of each word: (16 d sc) q' - (16 d sc + dmin m), with
+    q' = 1 + q/16 built by moving the code into mantissa bits 19..22 of 1.0 (one shift, its
+    direction fixed at compile time) and one mask-or."""
+    if at <= 19:
+        moved = codes << (19 - at)
+    else:
+        moved = codes >> (at - 19)
+    q = ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return slope[:, :, None] * q + intercept[:, :, None]
+
+
+@triton.jit
+def q4k_gemv_mma_kernel(
+    x_ptr,  # [batch, K], bf16 or fp16
+    w_ptr,  # W as int32 words: [N, n_blocks * 36]
+    out_ptr,
+    batch,
+    n_rows,
+    n_blocks,
+    w_row_words,
+    x_row_stride,
+    out_row_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """The tensor-core variant: each sub-block's weights are dequantized to fp32 in registers
+    and handed to tl.dot in TF32 against x padded to BLOCK_B columns. Per weight that is a
+    shift, a mask-or and one FMA; x never touches the CUDA cores per weight, and the padding
+    costs tensor-core time the H200 has to spare (batch 1 at 3 TB/s needs ~170 TFLOP/s of
+    TF32 with 16 columns). TF32 rounds weights and x to 10 mantissa bits: about 1e-3 of an
+    output row's RMS, inside the task's scale-aware `check`."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_safe = tl.minimum(rows, n_rows - 1)
+    row_words = tl.multiple_of(rows_safe.to(tl.int64) * w_row_words, 4)
+    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < batch
+    cols_safe = tl.minimum(cols, batch - 1)
+    kbs = tl.arange(0, BLOCK_KB)
+    words8 = tl.arange(0, 8)
+    k_lane = tl.arange(0, BLOCK_KB * 32)  # the dot's K index: (block, lane) of one sub-block
+    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+
+    for kb0 in range(0, n_blocks, BLOCK_KB):
+        blocks = kb0 + kbs
+        block_ok = blocks < n_blocks
+        blocks_safe = tl.minimum(blocks, n_blocks - 1)
+        block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]
+        head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
+        s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
+        s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
+        s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
+        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        d = tl.where(block_ok[None, :], d, 0.0)  # a clamped block then contributes exactly 0
+        dmin = tl.where(block_ok[None, :], dmin, 0.0)
+        x_blocks = tl.minimum(kb0 + k_lane // 32, n_blocks - 1)
+        for c in tl.static_range(4):
+            code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
+            codes = tl.load(w_ptr + code_words[:, :, None] + words8[None, None, :])
+            codes = codes.to(tl.uint32, bitcast=True)  # [N, KB, 8]
+            for n in tl.static_range(2):
+                j = 2 * c + n
+                sc, m = scale_and_min(s1, s2, s3, j)
+                # q' = 1 + q/16 (the code in mantissa bits 19..22 of 1.0), so
+                # w = d sc q - dmin m = (16 d sc) q' - (16 d sc + dmin m): one FMA per weight.
+                slope = 16.0 * d * sc
+                intercept = -(slope + dmin * m)
+                # Byte b of word w is lane 4w + b. Each byte gets its own tile so every shift is
+                # a compile-time constant (left or right, one per weight); join then interleaves
+                # the four tiles back into lane order without moving data between threads.
+                w0 = dequantize_byte(codes, slope, intercept, 4 * n)
+                w1 = dequantize_byte(codes, slope, intercept, 8 + 4 * n)
+                w2 = dequantize_byte(codes, slope, intercept, 16 + 4 * n)
+                w3 = dequantize_byte(codes, slope, intercept, 24 + 4 * n)
+                w = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [N, KB, 8, 2, 2]: lane order
+                w = tl.reshape(w, (BLOCK_N, BLOCK_KB * 32))
+                x_offsets = x_blocks * 256 + j * 32 + k_lane % 32  # [KB * 32]
+                x_ptrs = x_ptr + cols_safe.to(tl.int64)[None, :] * x_row_stride + x_offsets[:, None]
+                xt = tl.load(x_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32)  # [K, B]
+                acc = tl.dot(w, xt, acc, input_precision="tf32")
+
+    out_ptrs = out_ptr + cols.to(tl.int64)[None, :] * out_row_stride + rows[:, None]
+    out_ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_ok)
+
+
 def _runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -244,6 +340,25 @@ def q4k_gemv(
         return out
     n_blocks = k // QK_K
     config = config or pick_config(n_rows, n_blocks, batch)
+    if config.method == "mma":
+        block_b = 16  # the smallest tl.dot width; decode batches fit in one column of programs
+        grid = (triton.cdiv(n_rows, config.block_n), triton.cdiv(batch, block_b))
+        q4k_gemv_mma_kernel[grid](
+            x,
+            weight_q4k.view(torch.int32),
+            out,
+            batch,
+            n_rows,
+            n_blocks,
+            n_blocks * BLOCK_WORDS,
+            x.stride(0),
+            out.stride(0),
+            BLOCK_N=config.block_n,
+            BLOCK_KB=config.block_kb,
+            BLOCK_B=block_b,
+            num_warps=config.num_warps,
+        )
+        return out
     block_b = min(triton.next_power_of_2(batch), MAX_BATCH_PER_PROGRAM)
     grid = (triton.cdiv(n_rows, config.block_n), triton.cdiv(batch, block_b))
     q4k_gemv_kernel[grid](
@@ -282,7 +397,7 @@ if __name__ == "__main__":
         halves[:, 1::72] = (7.5e-4 * (0.5 + torch.rand(n_rows, k // QK_K))).half()
         x = torch.randn(batch, k, dtype=dtype)
         expected = x.double() @ _dequantize_q4_k(weight).double().T
-        for config in [None, GemvConfig(2, 4, 1), GemvConfig(4, 8, 2, True)]:
+        for config in [None, GemvConfig(2, 4, 1), GemvConfig(4, 8, 2, True), GemvConfig(64, 4, 4, method="mma")]:
             out = q4k_gemv(x.to(device), weight.to(device), config)
             torch.testing.assert_close(out.double().cpu(), expected, atol=1e-2, rtol=1e-2)
     print(f"q4k_gemv candidate ({path} path on {device}): ok")

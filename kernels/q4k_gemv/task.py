@@ -22,7 +22,7 @@ Shapes: Llama-3-8B's projections (q/o 4096x4096, k/v 1024x4096, gate/up 14336x40
 odd row count.
 
 KernelBench-compatible: `Model`, `get_inputs()`, `get_init_inputs()`. Loom extensions: `SHAPES`,
-`TOLERANCE`, `flops`, `bytes_moved`. Needs `pip install gguf`.
+`TOLERANCE`, `check`, `BASELINE`, `flops`, `bytes_moved`. Needs `pip install gguf`.
 """
 
 from __future__ import annotations
@@ -52,14 +52,36 @@ SHAPES: list[dict] = [
     {"name": "small_tail_b3_100x768", "batch": 3, "n": 100, "k": 768},
 ]
 
-# Judged against the float64 reference. A kernel that keeps dequantized weights in fp32 and
-# accumulates in fp32 differs from it by well under 1e-5 relative before the output rounding.
-# Rounding dequantized weights to bf16 (for tensor cores) adds ~2^-9 per weight, about 0.007
-# absolute on a 14336-long row of Llama-sized weights: near-zero outputs then fail atol 1e-2.
+# For tools that want plain numbers. A kernel that keeps dequantized weights in fp32 and
+# accumulates in fp32 differs from the float64 reference by well under 1e-5 relative before
+# the output rounding. The judge calls `check` below.
 TOLERANCE: dict[str, dict[str, float]] = {
     "bfloat16": {"atol": 1e-2, "rtol": 1e-2},
     "float16": {"atol": 1e-2, "rtol": 1e-2},
 }
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """|out - ref| <= 1 % of the RMS of ref's row + 1 % of |ref|, everywhere; NaN and inf
+    where ref has them.
+
+    Scale-aware, because tensor cores (TF32, fp16) round weights and activations to 10-11
+    bits: about 1e-3 of an output row's RMS, an error that grows with x, so no single atol
+    holds at x * 64 and at x * 1e-3 both. fp32 CUDA-core kernels sit far inside it. Dropping
+    one 32-weight sub-block of K = 4096 moves outputs by about 9 % of the row's RMS: partial
+    work still fails."""
+    got, want = out.double(), ref.double()
+    if not torch.equal(torch.isnan(got), torch.isnan(want)):
+        return False
+    finite = torch.isfinite(want)
+    if not torch.equal(got[~finite], want[~finite]):
+        return False
+    got, want = torch.where(finite, got, 0.0), torch.where(finite, want, 0.0)
+    if want.numel() == 0:
+        return True
+    row_rms = want.reshape(-1, want.shape[-1]).square().mean(dim=-1).sqrt()
+    bound = 1e-2 * row_rms.reshape(*want.shape[:-1], 1) + 1e-2 * want.abs()
+    return bool(((got - want).abs() <= bound).all())
 
 
 class Model(torch.nn.Module):
