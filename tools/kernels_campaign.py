@@ -23,8 +23,10 @@ takes minutes per call at the real shapes, each task keeps only its --max-shapes
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import pprint
 import shutil
 import subprocess
 import sys
@@ -91,15 +93,26 @@ SHAPE_LIMIT = """
 
 # ---- added by tools/kernels_campaign.py for a CPU run: Triton's interpreter takes minutes per
 # call at the real shapes, so only the {n} cheapest shapes (by bytes_moved) are judged here.
-def _kernels_campaign_cost(shape):
-    try:
-        return float(bytes_moved(**shape))
-    except Exception:
-        return float("inf")
-
-
-SHAPES = sorted(SHAPES, key=_kernels_campaign_cost)[:{n}]
+# Written out as a literal: the server reads SHAPES without running the file.
+SHAPES = {shapes}
 """
+
+
+def cheapest_shapes(task_file: Path, n: int) -> list[dict]:
+    """The task's n cheapest SHAPES by bytes_moved (run here, in this trusted script)."""
+    spec = importlib.util.spec_from_file_location(
+        f"kernels_campaign_{task_file.parent.name}", task_file
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def cost(shape: dict) -> float:
+        try:
+            return float(module.bytes_moved(**shape))
+        except Exception:
+            return float("inf")
+
+    return sorted(module.SHAPES, key=cost)[:n]
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -130,7 +143,10 @@ def make_repo(workdir: Path, kernels: Path, tasks: list[str], max_shapes: int) -
     if max_shapes > 0:
         for task in tasks:
             task_file = repo / "kernels" / task / "task.py"
-            task_file.write_text(task_file.read_text() + SHAPE_LIMIT.format(n=max_shapes))
+            shapes = pprint.pformat(cheapest_shapes(task_file, max_shapes), sort_dicts=False)
+            task_file.write_text(
+                task_file.read_text() + SHAPE_LIMIT.format(n=max_shapes, shapes=shapes)
+            )
     (repo / ".gitignore").write_text("__pycache__/\n*.pyc\n")
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
@@ -326,8 +342,10 @@ async def campaign(params, repo: Path, tasks: list[str], timeout: float, goal: s
                 )
             say(f"    {task}: {row['verdict']} {fmt_speedup(row)} in {row['wall_s']} s")
             # The ids go to the log at once, so a run cut short still names its evidence.
-            say(f"      evidence: submission {row.get('submission_id')}, validation "
-                f"{row.get('validation_id')}, benchmark {row.get('benchmark_id')}, commit {row.get('commit')}")
+            say(
+                f"      evidence: submission {row.get('submission_id')}, validation "
+                f"{row.get('validation_id')}, benchmark {row.get('benchmark_id')}, commit {row.get('commit')}"
+            )
             for reason in row.get("reasons") or []:
                 say(f"      - {reason[:240]}")
             out["results"].append(row)
