@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep the Q4_K kernels' tile configurations on a GPU and print effective bandwidth.
 
-    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm]
+    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm,rmsnorm]
 
 Each configuration runs on rotating weight copies whose total exceeds 3x the L2 cache, inside
 one CUDA graph (so launch gaps and L2 hits do not flatter it); the figure is the median over
@@ -213,10 +213,68 @@ def sweep_gemm(rows: list[dict]) -> None:
             torch.cuda.empty_cache()
 
 
+def sweep_rmsnorm(rows: list[dict]) -> None:
+    task = load(REPO / "kernels/rmsnorm/task.py", "sweep_rms_task")
+    cand = load(REPO / "kernels/rmsnorm/candidate.py", "sweep_rms_cand")
+    copy = 4.265e12  # measured D2D copy bandwidth on the H200 (docs/measurements.md)
+    for tokens, hidden in [(4096, 4096), (1023, 4000), (512, 4096), (512, 5120)]:
+        shape = {"tokens": tokens, "hidden": hidden}
+        model = cand.ModelNew(*task.get_init_inputs(**shape)).cuda()
+
+        def make(shape=shape):
+            return tuple(t.cuda() for t in task.get_inputs(**shape))
+
+        sets = rotating_sets(make, tokens * hidden * 2)
+        moved = task.bytes_moved(**shape)
+        for block_rows, warps in itertools.product([1, 2, 4, 8], [2, 4, 8, 16]):
+            config = cand.RmsnormConfig(block_rows, warps)
+            try:
+                med, p10, p90 = time_rotating(
+                    lambda x, c=config, m=model: cand.rmsnorm(x, m.weight, m.eps, c), sets
+                )
+            except Exception as exc:
+                rows.append(
+                    {
+                        "kernel": "rmsnorm",
+                        "shape": [tokens, hidden],
+                        "config": config._asdict(),
+                        "error": repr(exc)[:300],
+                    }
+                )
+                continue
+            rows.append(
+                {
+                    "kernel": "rmsnorm",
+                    "shape": [tokens, hidden],
+                    "config": config._asdict(),
+                    "us": med * 1e6,
+                    "tb_s": moved / med / 1e12,
+                    "pct_copy": 100 * moved / med / copy,
+                }
+            )
+        best = min(
+            (
+                r
+                for r in rows
+                if r["kernel"] == "rmsnorm" and r["shape"] == [tokens, hidden] and "us" in r
+            ),
+            key=lambda r: r["us"],
+            default=None,
+        )
+        default = time_rotating(model, sets)[0]
+        print(
+            f"rmsnorm {tokens}x{hidden}: default {default * 1e6:.2f} us ({100 * moved / default / copy:.1f} % copy); "
+            f"best {best and best['config']} {best and round(best['pct_copy'], 1)} % copy",
+            flush=True,
+        )
+        del sets
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    parser.add_argument("--only", default="gemv,gemm")
+    parser.add_argument("--only", default="gemv,gemm,rmsnorm")
     args = parser.parse_args()
     rows: list[dict] = []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +283,8 @@ def main() -> int:
             sweep_gemv(rows)
         if "gemm" in args.only:
             sweep_gemm(rows)
+        if "rmsnorm" in args.only:
+            sweep_rmsnorm(rows)
     finally:
         (args.out / "sweep_q4k.json").write_text(json.dumps(rows, indent=1))
     return 0
