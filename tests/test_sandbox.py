@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import resource
 import socket
@@ -392,3 +393,64 @@ def test_isolation_report_shape() -> None:
     report = isolation_report()
     for key in ("network", "process_tree", "process_limit", "core_dumps", "file_size"):
         assert isinstance(report[key], str) and report[key]
+
+
+# ------------------------------------------------------------------ read-only file system
+
+TAMPER = """
+import os, json
+report = {}
+for name, path in [("outside", os.environ["OUTSIDE"]), ("job_dir", os.path.join(os.environ["LOOM_JOB_DIR"], "a")),
+                   ("writable", os.path.join(os.environ["EXTRA"], "b")),
+                   ("triton_cache", os.path.join(os.environ["TRITON_CACHE_DIR"], "c"))]:
+    try:
+        with open(path, "w") as f:
+            f.write("written by the job")
+        report[name] = "ok"
+    except OSError as exc:
+        report[name] = exc.strerror
+with open("/dev/null", "w") as f:
+    f.write("x")  # device nodes stay usable on a read-only mount
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.anyio
+async def test_a_job_cannot_write_outside_its_own_directories(tmp_path: Path) -> None:
+    """Candidate code must not be able to rewrite the task, the harness, the ledger or another
+    file's compile cache for the jobs that come after it."""
+    outside = tmp_path / "task.py"
+    outside.write_text("TOLERANCE = 'strict'\n")
+    extra = tmp_path / "cache" / "one-file"
+    spec = JobSpec(argv=[sys.executable, "-c", TAMPER], job_dir=tmp_path / "job", writable=[extra],
+                   env={"OUTSIDE": str(outside), "EXTRA": str(extra)})
+    result = await run_job(spec)
+    assert result.ok, result.stderr_tail
+    if not result.readonly_fs:
+        pytest.skip("this kernel gives jobs no mount namespace or no mount_setattr")
+    report = json.loads(result.stdout_tail)
+    assert report == {"outside": "Read-only file system", "job_dir": "ok", "writable": "ok",
+                      "triton_cache": "ok"}
+    assert outside.read_text() == "TOLERANCE = 'strict'\n"
+    assert (extra / "b").read_text() == "written by the job"
+
+
+@pytest.mark.anyio
+async def test_opting_out_keeps_the_file_system_writable(tmp_path: Path) -> None:
+    target = tmp_path / "agent-output.txt"
+    code = f"open({str(target)!r}, 'w').write('ok')"
+    result = await run_job(JobSpec(argv=[sys.executable, "-c", code], job_dir=tmp_path / "job", readonly_fs=False))
+    assert result.ok and not result.readonly_fs and target.read_text() == "ok"
+
+
+def test_code_cache_is_per_content(tmp_path: Path) -> None:
+    from loom_mcp.sandbox import code_cache
+
+    jobs = tmp_path / "home" / "jobs"
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("x = 1\n")
+    b.write_text("x = 1\n")
+    c.write_text("x = 2\n")
+    assert code_cache(jobs / "run1", a) == code_cache(jobs / "run2", b)
+    assert code_cache(jobs / "run1", a) != code_cache(jobs / "run1", c)
+    assert code_cache(jobs / "run1", a).parent == tmp_path / "home" / "cache" / "triton"

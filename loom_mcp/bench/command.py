@@ -599,6 +599,9 @@ class _Bench:
             env=self.env,
             max_output_bytes=MAX_STDOUT_BYTES,
             allow_network=self.allow_network,
+            # The agent's own commands (servers, model caches, builds) write where they like; they
+            # run with the agent's trust, like its shell. Candidate code never runs here.
+            readonly_fs=False,
         )
 
         async def tick(message: str) -> None:
@@ -719,7 +722,7 @@ async def benchmark_commands(
         )
     job_dir = Path(job_dir).expanduser().resolve()
     try:  # the env is the same for every run: refuse a bad one before anything runs
-        JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}))
+        JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}), readonly_fs=False)
     except ValidationError as exc:
         raise LoomError(ErrorCode.BAD_INPUT, f"env: {exc.errors()[0]['msg']}") from exc
     job_dir.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, run_job
+from loom_mcp.sandbox import JobSpec, code_cache, run_job
 
 Progress = Callable[[str], Awaitable[None]]
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
@@ -155,8 +155,10 @@ async def benchmark_candidate(
         async with await anyio.create_unix_listener(sock_path) as listener:
             async def launch(role: str) -> None:
                 module, class_name = arms_spec[role]
+                cache = code_cache(job_dir, Path(module))
                 arm_results[role] = await run_job(JobSpec(
-                    argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role, env=env, visible_devices=visible,
+                    argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role,
+                    env={**env, "TRITON_CACHE_DIR": str(cache)}, writable=[cache], visible_devices=visible,
                     timeout_s=timeout_s,
                     request={"role": role, "module": str(module), "class_name": class_name,
                              "cases_file": str(cases_file), "socket": str(sock_path), "token": token,

@@ -60,7 +60,10 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
         argv = [tool, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "--export=sqlite",
                 "-o", str(out / "trace"), *command]
     out.mkdir(parents=True, exist_ok=True)
-    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
+    # A vendor profiler around the agent's own command: it keeps its own config and temp files
+    # under HOME, and the command has the agent's trust, so the file system stays writable.
+    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s, readonly_fs=False),
+                        on_progress=progress)
     if not job.ok:
         raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {job.failure()}")
     pattern = "*.json" if profiler == "rocprofv3" else "*.sqlite"

@@ -2,7 +2,7 @@
 
 from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.isolation import isolation_report
-from loom_mcp.sandbox.job import JobResult, JobSpec
+from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache
 from loom_mcp.sandbox.lease import DeviceLease, lease_holder
 from loom_mcp.sandbox.runner import run_job
 
@@ -10,6 +10,7 @@ __all__ = [
     "DeviceLease",
     "JobResult",
     "JobSpec",
+    "code_cache",
     "isolation_report",
     "lease_holder",
     "run_job",

@@ -55,8 +55,14 @@ PR_SET_CHILD_SUBREAPER = 36
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+# linux/mount.h, linux/fcntl.h; mount_setattr is syscall 442 on every architecture (5.12+)
+SYS_MOUNT_SETATTR = 442
+MOUNT_ATTR_RDONLY = 0x1
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -105,6 +111,37 @@ def _prctl(option: int, arg: int) -> None:
 
 def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int) -> None:
     _check(_libc().mount(source, target, fstype, flags, None), f"mount {target.decode()}")
+
+
+def _mount_setattr(path: str, set_flags: int, clear_flags: int) -> None:
+    """mount_setattr(2) on `path` and every mount below it."""
+    attr = (ctypes.c_uint64 * 4)(set_flags, clear_flags, 0, 0)  # struct mount_attr
+    libc = _libc()
+    ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD),
+                       ctypes.c_char_p(path.encode()), ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr),
+                       ctypes.c_size_t(ctypes.sizeof(attr)))
+    _check(ret, f"mount_setattr {path}")
+
+
+def _readonly_fs(writable: list[str]) -> None:
+    """Make the whole file system read-only for this job, except `writable`.
+
+    A worker runs code the server does not trust. Without this it could rewrite the harness it
+    is timed by, the ledger, the campaign's repository or another candidate's compile cache,
+    and the next job would run what it wrote. Needs the job's own mount namespace (it comes
+    with the pid namespace). Each writable directory is bound onto itself first, so it is a
+    mount of its own whose read-only flag can be cleared again; device nodes stay usable (a
+    read-only mount does not stop writes to a character device), and /proc is mounted later.
+    """
+    for path in writable:
+        os.makedirs(path, exist_ok=True)
+        _mount(path.encode(), path.encode(), None, MS_BIND | MS_REC)
+    _mount_setattr("/", MOUNT_ATTR_RDONLY, 0)
+    for path in writable:
+        _mount_setattr(path, 0, MOUNT_ATTR_RDONLY)
+    # The working directory still points into the mount underneath (now read-only): enter it
+    # again by name, which lands on the writable bind mount on top.
+    os.chdir(os.getcwd())
 
 
 def _write(path: str, text: str) -> None:
@@ -510,6 +547,13 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
             "no pid namespace (" + why("user+pid") + "); the launcher is a child subreaper and "
             "kills its whole subtree by /proc scan"
         )
+    if "pid" in features:
+        report["filesystem"] = (
+            "read-only for judged code outside its job directory and its own compile cache "
+            "(mount namespace + mount_setattr, Linux 5.12+; each job records whether it held)"
+        )
+    else:
+        report["filesystem"] = "writable: no mount namespace for jobs here"
     if cut["limit_by"] == "nproc":
         report["process_limit"] = "enforced: RLIMIT_NPROC inside a user namespace"
     elif cut["limit_by"] == "cgroup":
@@ -676,6 +720,17 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
             applied.update({f: True for f in features})
             if problems:
                 errors["namespaces"] = "; ".join(problems)
+    writable = cfg.get("writable")
+    if writable is not None:
+        applied["readonly_fs"] = False
+        if applied["pid"]:  # the mount namespace comes with it
+            try:
+                _readonly_fs(writable)
+                applied["readonly_fs"] = True
+            except OSError as exc:
+                errors["readonly_fs"] = str(exc)
+        else:
+            errors["readonly_fs"] = "no mount namespace of its own"
     nproc = cfg.get("nproc")
     if nproc and applied["user"]:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc + LAUNCHER_TASKS,) * 2)

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def code_cache(job_dir: Path, code: Path) -> Path:
+    """The compile-cache directory for jobs that run `code` (a candidate or baseline file):
+    shared by every job running the same bytes, so the compile step's kernels are reused by
+    validation and the benchmark, and private to those bytes, so no other file's code can
+    plant binaries there. `job_dir` is a top-level job directory (LOOM_HOME/jobs/<run>)."""
+    digest = hashlib.sha256(code.read_bytes()).hexdigest()[:24]
+    return job_dir.resolve().parent.parent / "cache" / "triton" / digest
 
 
 class JobSpec(BaseModel):
@@ -32,6 +42,16 @@ class JobSpec(BaseModel):
         ),
     )
     allow_network: bool = False
+    readonly_fs: bool = Field(
+        default=True,
+        description="Everything but job_dir, `writable` and /dev/shm read-only for the job "
+        "(where the kernel allows it). Off only for commands the agent runs on its own behalf",
+    )
+    writable: list[Path] = Field(
+        default_factory=list,
+        description="Directories the job may write besides job_dir (created if missing), e.g. "
+        "the compile cache of the one file it runs",
+    )
     request: dict[str, Any] | None = Field(
         default=None, description="JSON for the worker: job_dir/request.json, path in LOOM_REQUEST"
     )
@@ -74,6 +94,9 @@ class JobResult(BaseModel):
         default=None, description="Why `result` is None although the worker sent something"
     )
     network_isolated: bool
+    readonly_fs: bool = Field(
+        default=False, description="The file system outside the job's writable paths was read-only"
+    )
 
     @property
     def ok(self) -> bool:

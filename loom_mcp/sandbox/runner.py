@@ -204,6 +204,17 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
     if spec.visible_devices is not None:
         env.update(_device_env(spec.visible_devices))
 
+    writable = None
+    if spec.readonly_fs:
+        writable = [str(job_dir), *(str(Path(p).resolve()) for p in spec.writable)]
+        if os.path.isdir("/dev/shm"):
+            writable.append("/dev/shm")
+        # Triton writes its compile cache; the shared one under HOME is read-only now, and
+        # sharing it would let one candidate plant binaries another job loads.
+        if "TRITON_CACHE_DIR" not in spec.env:
+            (job_dir / "triton-cache").mkdir(exist_ok=True)
+            env["TRITON_CACHE_DIR"] = str(job_dir / "triton-cache")
+
     result_r, result_w = os.pipe()
     meta_r, meta_w = os.pipe()
     env["LOOM_RESULT_FD"] = str(result_w)
@@ -215,6 +226,7 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
         "cgroup": cgroup,
         "meta_fd": meta_w,
         "worker_fds": [result_w],
+        "writable": writable,
     }
     argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, json.dumps(config), *spec.argv]
 
@@ -313,4 +325,5 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
         result=result,
         result_error=result_error,
         network_isolated=bool(applied.get("net")),
+        readonly_fs=bool(applied.get("readonly_fs")),
     )

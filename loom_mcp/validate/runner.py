@@ -27,7 +27,7 @@ import anyio
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobResult, JobSpec, run_job
+from loom_mcp.sandbox import JobResult, JobSpec, code_cache, run_job
 from loom_mcp.validate.static_checks import check_candidate_source
 
 Progress = Callable[[str], Awaitable[None]]
@@ -66,6 +66,7 @@ async def validate_candidate(
     tol_table.update(tolerances or {})
     cases_file = job_dir / "prep" / "cases.pt"
     outputs_file = job_dir / "cand" / "outputs.pt"
+    cand_cache = code_cache(job_dir, candidate)
 
     # All three processes start now, so their imports and device setup overlap; each one past the
     # first waits for a signed go-file that is published only when the previous step has exited.
@@ -81,7 +82,8 @@ async def validate_candidate(
                      "cases_file": str(cases_file), "device": device}),
         "cand": JobSpec(
             argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
-            env={**env, "LOOM_GO_SIGNER": token}, visible_devices=visible, timeout_s=timeout_s,
+            env={**env, "LOOM_GO_SIGNER": token, "TRITON_CACHE_DIR": str(cand_cache)},
+            writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
             request={"candidate": str(candidate), "cases_file": str(cases_file),
                      "outputs_file": str(outputs_file), "device": device,
                      "go_file": str(signals / "cand.go")}),
