@@ -62,6 +62,11 @@ def time_rotating(fn, sets: list[tuple], replays: int = 20) -> tuple[float, floa
     return statistics.median(times), times[len(times) // 10], times[-1 - len(times) // 10]
 
 
+def error_row(kernel: str, shape: list[int], config, exc: Exception) -> dict:
+    """A configuration that fails to compile or run is a row of the table, not a crash."""
+    return {"kernel": kernel, "shape": shape, "config": config._asdict(), "error": repr(exc)[:300]}
+
+
 def rotating_sets(make, bytes_each: int) -> list[tuple]:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
     count = max(4, min(64, (3 * l2) // max(bytes_each, 1) + 1))
@@ -105,15 +110,8 @@ def sweep_gemv(rows: list[dict]) -> None:
                 out = cand.q4k_gemv(x0, w0, config).float()
                 err = (out - expected).abs().max().item()
                 med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemv(x, w, c), sets)
-            except Exception as exc:  # a config that fails to compile is a row, not a crash
-                rows.append(
-                    {
-                        "kernel": "q4k_gemv",
-                        "shape": [batch, n, k],
-                        "config": config._asdict(),
-                        "error": repr(exc)[:300],
-                    }
-                )
+            except Exception as exc:
+                rows.append(error_row("q4k_gemv", [batch, n, k], config, exc))
                 continue
             row = {
                 "kernel": "q4k_gemv",
@@ -181,14 +179,7 @@ def sweep_gemm(rows: list[dict]) -> None:
                         lambda x, w, c=config: cand.q4k_gemm(x, w, c), sets, replays=10
                     )
                 except Exception as exc:
-                    rows.append(
-                        {
-                            "kernel": "q4k_gemm",
-                            "shape": [m, n, k],
-                            "config": config._asdict(),
-                            "error": repr(exc)[:300],
-                        }
-                    )
+                    rows.append(error_row("q4k_gemm", [m, n, k], config, exc))
                     continue
                 rows.append(
                     {
@@ -233,14 +224,7 @@ def sweep_rmsnorm(rows: list[dict]) -> None:
                     lambda x, c=config, m=model: cand.rmsnorm(x, m.weight, m.eps, c), sets
                 )
             except Exception as exc:
-                rows.append(
-                    {
-                        "kernel": "rmsnorm",
-                        "shape": [tokens, hidden],
-                        "config": config._asdict(),
-                        "error": repr(exc)[:300],
-                    }
-                )
+                rows.append(error_row("rmsnorm", [tokens, hidden], config, exc))
                 continue
             rows.append(
                 {

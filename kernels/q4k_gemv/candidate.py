@@ -95,6 +95,21 @@ def widen(pair, high: tl.constexpr, X_IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def load_block_header(w_ptr, block_words, block_ok):
+    """d and dmin (fp32) and the three packed scale words of each Q4_K block in the tile; a
+    clamped (out-of-range) block gets d = dmin = 0, so it contributes exactly nothing."""
+    head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
+    s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
+    s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
+    s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
+    d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d = tl.where(block_ok[None, :], d, 0.0)
+    dmin = tl.where(block_ok[None, :], dmin, 0.0)
+    return d, dmin, s1, s2, s3
+
+
+@triton.jit
 def scale_and_min(s1, s2, s3, j: tl.constexpr):
     """The 6-bit scale and min of sub-block j from the three packed words s1, s2, s3.
 
@@ -141,14 +156,7 @@ def q4k_gemv_kernel(
         block_ok = blocks < n_blocks
         blocks_safe = tl.minimum(blocks, n_blocks - 1)
         block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]; 36 words per block
-        head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
-        s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
-        s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
-        s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
-        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        d = tl.where(block_ok[None, :], d, 0.0)
-        dmin = tl.where(block_ok[None, :], dmin, 0.0)
+        d, dmin, s1, s2, s3 = load_block_header(w_ptr, block_words, block_ok)
 
         for c in tl.static_range(4):  # 32-byte chunk c holds sub-blocks 2c (low) and 2c+1 (high)
             code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
@@ -257,14 +265,7 @@ def q4k_gemv_mma_kernel(
         block_ok = blocks < n_blocks
         blocks_safe = tl.minimum(blocks, n_blocks - 1)
         block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]
-        head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
-        s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
-        s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
-        s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
-        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        d = tl.where(block_ok[None, :], d, 0.0)  # a clamped block then contributes exactly 0
-        dmin = tl.where(block_ok[None, :], dmin, 0.0)
+        d, dmin, s1, s2, s3 = load_block_header(w_ptr, block_words, block_ok)
         x_blocks = tl.minimum(kb0 + k_lane // 32, n_blocks - 1)
         for c in tl.static_range(4):
             code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
