@@ -35,6 +35,7 @@ CHEATS = {
     "cheat_partial_work.py": ("partial work", {"validation.mismatch"}),
     "cheat_nan_output.py": ("NaN output", {"validation.nan_inf"}),
     "cheat_grader_introspection.py": ("reading the grader", {"static.grader_introspection"}),
+    "cheat_deferred_work.py": ("deferred work aimed at the other arm", {"static.threads"}),
 }
 
 

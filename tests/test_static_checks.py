@@ -542,3 +542,21 @@ def test_repeated_warnings_are_reported_once():
     body = "@triton.jit\ndef k(a):\n    b = a.to(tl.float16)\n    c = b.to(tl.float16)\n"
     found = [f for f in run(body) if f.check == "static.precision_downgrade"]
     assert len(found) == 1 and found[0].line == 7
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "import signal\nclass ModelNew(nn.Module):\n    def forward(self, x):\n        return x * 2\n",
+        "import atexit\nclass ModelNew(nn.Module):\n    def forward(self, x):\n        return x * 2\n",
+        "import weakref\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
+        "        y = x * 2\n        weakref.finalize(y, torch.cuda._sleep, 10**9)\n        return y\n",
+        "class Later:\n    def __del__(self):\n        torch.cuda._sleep(10**9)\n"
+        "class ModelNew(nn.Module):\n    def forward(self, x):\n        Later()\n        return x * 2\n",
+    ],
+    ids=["signal", "atexit", "weakref.finalize", "__del__"],
+)
+def test_work_deferred_past_the_call_is_refused(body: str):
+    """Timer signals, exit hooks and finalizers run code at a later moment the candidate can
+    aim, e.g. while the other arm is timed."""
+    assert "static.threads" in errors(body)

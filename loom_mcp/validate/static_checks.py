@@ -20,7 +20,8 @@ Checks (stable names; severity):
                                         allclose, __eq__ ...); aten overrides via torch.library;
                                         timer calls in inline C++/CUDA
   static.threads               error    threading, multiprocessing, concurrent.futures, asyncio,
-                                        subprocess, os.fork/spawn/exec/system; std::thread,
+                                        subprocess, os.fork/spawn/exec/system, signal, atexit,
+                                        sched, weakref.finalize, __del__; std::thread,
                                         pthread_create, std::async in inline sources
   static.extra_stream          error    torch.cuda.Stream/stream/ExternalStream/set_stream,
                                         stream= bound to anything but the current stream,
@@ -155,7 +156,15 @@ THREAD_MODULES = (
     "subprocess",
     "torch.multiprocessing",
     "pty",
+    # Code that runs later, at a moment the candidate does not control but can aim: a timer
+    # signal, interpreter exit, an event scheduler. Work deferred that way can land while the
+    # other arm is being timed.
+    "signal",
+    "atexit",
+    "sched",
 )
+# Calls that register code to run later (object finalization, GC callbacks).
+DEFERRED_CALLS = frozenset({"weakref.finalize", "gc.callbacks.append", "sys.addaudithook"})
 PROCESS_CALLS = frozenset(
     {
         "os.fork",
@@ -672,6 +681,14 @@ class _Analyzer(ast.NodeVisitor):
     # ------------------------------------------------------------ scopes
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        if node.name == "__del__" and self.classes:
+            self.add(
+                "static.threads",
+                "error",
+                node,
+                "Defines __del__, which runs when the garbage collector decides: work can land "
+                "after the timer stops or while the other arm is timed.",
+            )
         if node.name in ("__torch_function__", "__torch_dispatch__"):
             self.add(
                 "static.tensor_subclass",
@@ -1043,6 +1060,9 @@ class _Analyzer(ast.NodeVisitor):
         # threads and processes
         if q in PROCESS_CALLS or q.startswith(PROCESS_CALL_PREFIXES):
             self.add("static.threads", "error", node, f"Calls {q}, which starts a process.")
+        if q in DEFERRED_CALLS:
+            self.add("static.threads", "error", node,
+                     f"Calls {q}, which registers code to run later, outside the timed call.")
 
         # streams
         if q in STREAM_CALLS:
