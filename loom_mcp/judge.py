@@ -7,6 +7,7 @@ seconds. Full records are stored as artifacts and indexed in the ledger (loom://
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import anyio
 import orjson
 
+from loom_mcp import __version__
 from loom_mcp.bench.runner import benchmark_candidate
 from loom_mcp.compile.service import Language, compile_source
 from loom_mcp.config import LoomConfig
@@ -51,6 +53,7 @@ class Target:
     torch_device: str  # "cuda:N" (CUDA and ROCm builds alike; N = NVML/amdsmi index) or "cpu"
     device: DeviceInfo
     lease_key: str
+    software: str = ""  # torch, triton and loom versions as the workers see them
 
     @property
     def is_gpu(self) -> bool:
@@ -67,11 +70,46 @@ async def pick_target(config: LoomConfig) -> Target:
     devices, _ = await anyio.to_thread.run_sync(probe_devices)
     gpus = [d for d in devices if d.vendor != "cpu"]
     torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
+    software = f"torch {toolchain.torch}; triton {toolchain.triton}; loom-mcp {__version__}"
     if gpus and torch_sees_gpu:
         gpu = first_visible(gpus)
-        return Target(f"cuda:{gpu.index}", gpu, f"{gpu.vendor}:{gpu.index}")
+        return Target(f"cuda:{gpu.index}", gpu, f"{gpu.vendor}:{gpu.index}", software)
     cpu = next(d for d in devices if d.vendor == "cpu")
-    return Target("cpu", cpu, "cpu")
+    return Target("cpu", cpu, "cpu", software)
+
+
+def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candidate: Path,
+                         seeds: int, shapes: list[str] | None) -> str:
+    """Everything a validation verdict depends on: the two files' bytes, the seeds and shapes,
+    the device (by identity, not just model) and driver, the software, and the gate policy.
+    Evidence is reused only when all of it is equal."""
+    device = target.device
+    material = {
+        "task": hashlib.sha256(task.read_bytes()).hexdigest(),
+        "candidate": hashlib.sha256(candidate.read_bytes()).hexdigest(),
+        "seeds": seeds,
+        "shapes": sorted(shapes) if shapes else None,
+        "device": [target.torch_device, device.vendor, device.name, device.uuid, device.driver_version],
+        "software": target.software,
+        "policy": config.fingerprint(),
+    }
+    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+async def reusable_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *,
+                              task: Path, candidate: Path) -> tuple[str, ValidationEvidence] | None:
+    """A full validation (policy seeds, every shape) already run on these exact bytes here.
+
+    Only when every such run passed: each run draws fresh secret seeds, so a candidate that
+    fails some of them must not be able to fish for one lucky pass and submit on it."""
+    target = await pick_target(config)
+    key = validation_reuse_key(config, target, task, candidate, config.gate.seeds, None)
+    rows = ledger.runs_with_key("validation", key)
+    if not rows or not all(orjson.loads(r["summary_json"]).get("passed") for r in rows):
+        return None
+    row = rows[0]
+    record = orjson.loads(artifacts.get_bytes(row["record_sha"]))
+    return row["id"], ValidationEvidence.model_validate(record["evidence"])
 
 
 def first_visible(gpus: list[DeviceInfo]) -> DeviceInfo:
@@ -105,10 +143,10 @@ def _finding(f: Finding) -> CheckFinding:
 
 
 def store_record(ledger: Ledger, artifacts: ArtifactStore, run_id: str, kind: str, record: Any,
-                 summary: Any, campaign_id: str | None) -> None:
+                 summary: Any, campaign_id: str | None, reuse_key: str | None = None) -> None:
     payload = orjson.dumps(record.model_dump() if hasattr(record, "model_dump") else record)
     sha = artifacts.put_bytes(payload, kind=f"{kind}-record", name=f"{run_id}.json")
-    ledger.insert_run(run_id, kind, sha, summary.model_dump(), campaign_id)
+    ledger.insert_run(run_id, kind, sha, summary.model_dump(), campaign_id, reuse_key=reuse_key)
 
 
 class Leased:
@@ -203,10 +241,12 @@ async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: Artifact
             shapes=shapes, device=target.torch_device, timeout_s=config.job_timeout_s,
             validation_id=run_id, progress=progress)
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
+    reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes)
     store_record(ledger, artifacts, run_id, "validation",
                  {"evidence": evidence.model_dump(), "task": str(task_path),
-                  "candidate": str(cand_path), "candidate_sha": artifacts.put_file(cand_path, "candidate")},
-                 result, campaign_id)
+                  "candidate": str(cand_path), "candidate_sha": artifacts.put_file(cand_path, "candidate"),
+                  "reuse_key": reuse_key},
+                 result, campaign_id, reuse_key=reuse_key)
     return result, evidence, held.seconds
 
 

@@ -93,6 +93,10 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX submissions_campaign ON submissions(campaign_id, created_at);
     """,
+    """
+    ALTER TABLE runs ADD COLUMN reuse_key TEXT;  -- what the evidence depends on, hashed
+    CREATE INDEX runs_reuse ON runs(kind, reuse_key);
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -249,13 +253,23 @@ class Ledger:
 
     # -- runs (full records live in the artifact store; the ledger keeps the index)
     def insert_run(self, run_id: str, kind: str, record_sha: str, summary: dict[str, Any],
-                   campaign_id: str | None = None) -> None:
+                   campaign_id: str | None = None, reuse_key: str | None = None) -> None:
         with self.transaction() as db:
             db.execute(
-                "INSERT INTO runs(id, kind, campaign_id, created_at, record_sha, summary_json)"
-                " VALUES (?,?,?,?,?,?)",
-                (run_id, kind, campaign_id, time.time(), record_sha, orjson.dumps(summary).decode()),
+                "INSERT INTO runs(id, kind, campaign_id, created_at, record_sha, summary_json, reuse_key)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (run_id, kind, campaign_id, time.time(), record_sha, orjson.dumps(summary).decode(),
+                 reuse_key),
             )
+
+    def runs_with_key(self, kind: str, reuse_key: str) -> list[dict[str, Any]]:
+        """Every run of `kind` whose evidence was computed from exactly the same inputs, newest
+        first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM runs WHERE kind=? AND reuse_key=? ORDER BY created_at DESC",
+                (kind, reuse_key)).fetchall()
+        return [dict(r) for r in rows]
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         with self._lock:

@@ -149,11 +149,21 @@ async def submit_candidate(
             validation = benchmark = None
             validation_id = benchmark_id = None
             if compile_evidence.ok:
-                v_result, validation, secs = await judge.run_validation(
-                    config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
-                    seeds=None, shapes=None, campaign_id=campaign_id, progress=progress)
-                device_seconds += secs
-                validation_id = v_result.validation_id
+                # A full validation of these exact bytes on this device and software (the agent's
+                # own run_validation before submitting, say) is evidence already: reuse it.
+                reused = await judge.reusable_validation(config, ledger, artifacts,
+                                                         task=frozen_task, candidate=frozen_cand)
+                if reused is not None:
+                    validation_id, validation = reused
+                    if progress:
+                        await progress(f"reusing validation {validation_id}: same task and candidate "
+                                       "bytes, device, software and policy")
+                else:
+                    v_result, validation, secs = await judge.run_validation(
+                        config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
+                        seeds=None, shapes=None, campaign_id=campaign_id, progress=progress)
+                    device_seconds += secs
+                    validation_id = v_result.validation_id
                 if validation.passed:
                     b_result, benchmark, b_findings, secs = await judge.run_benchmark(
                         config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),

@@ -224,3 +224,37 @@ async def test_benchmark_times_the_tasks_baseline_not_its_oracle(setup):
     speedup = result.structured_content["geomean_speedup"]
     assert 0.5 < speedup < 2.0, speedup
     assert result.structured_content["baseline"].endswith("plain.py")
+
+
+@pytest.mark.anyio
+async def test_submission_reuses_a_passed_validation_of_the_same_bytes(setup):
+    """run_validation before submitting is not paid twice: same task and candidate bytes, same
+    device, software and policy, and every such validation passed."""
+    repo, home = setup
+    async with Client(build_server(load_config(home))) as client:
+        cid = await start(client, repo)
+        checked = await client.call_tool("run_validation", {
+            "task": str(repo / "task.py"), "candidate": str(repo / "candidate.py")})
+        assert checked.is_error is False and checked.structured_content["passed"]
+        submitted = (await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"),
+            "candidate": str(repo / "candidate.py")})).structured_content
+    assert submitted["validation_id"] == checked.structured_content["validation_id"]
+    assert submitted["verdict"] == "accept", submitted["reasons"]
+
+
+@pytest.mark.anyio
+async def test_a_failed_validation_blocks_reuse(setup):
+    """A candidate that failed once on these bytes is validated afresh at submission, so a
+    lucky pass cannot be fished for and then reused."""
+    repo, home = setup
+    async with Client(build_server(load_config(home))) as client:
+        cid = await start(client, repo)
+        failed = (await client.call_tool("run_validation", {
+            "task": str(repo / "task.py"), "candidate": str(repo / "cheat.py")})).structured_content
+        assert failed["passed"] is False
+        submitted = (await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"),
+            "candidate": str(repo / "cheat.py")})).structured_content
+    assert submitted["validation_id"] != failed["validation_id"]
+    assert submitted["verdict"] == "reject"
