@@ -54,7 +54,7 @@ class GemvConfig(NamedTuple):
 
 
 def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
-    """Small tiles, one warp, x loaded per weight row: the fastest of 48 configurations for
+    """Small tiles, one warp, x loaded per weight row: the fastest of 40 configurations for
     every Llama-3-8B shape at batch 1 in `tools/sweep_q4k.py` on an H200 (2026-11-30). K of
     56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16."""
     block_kb = 16 if n_blocks % 16 == 0 else 8
