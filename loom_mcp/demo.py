@@ -60,8 +60,9 @@ def _short(data: dict[str, Any], keys: list[str]) -> str:
 def server_env(home: Path) -> dict[str, str]:
     """The spawned server's environment. The MCP client passes only a minimal one, so the
     import path (a virtualenv's or a PYTHONPATH install) and the GPU selection are carried over."""
-    keep = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-            "ROCR_VISIBLE_DEVICES", "LOOM_ALLOWED_ROOTS", "TMPDIR")
+    keep = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "ROCM_PATH",
+            "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+            "LOOM_ALLOWED_ROOTS", "TMPDIR")
     env = {name: os.environ[name] for name in keep if name in os.environ}
     return env | {"LOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"}
 

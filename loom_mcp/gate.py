@@ -105,8 +105,7 @@ def _judge_validation(
     for f in validation.findings:
         if f.severity == "error":
             where = f" at {f.where}" if f.where else ""
-            code = "benchmark.misbehaved" if f.check.startswith("benchmark.") else "validation.static_error"
-            out.add(code, f"{f.check}{where}: {f.message}")
+            out.add("validation.static_error", f"{f.check}{where}: {f.message}")
             ok = False
         else:
             where = f" at {f.where}" if f.where else ""
@@ -186,6 +185,12 @@ def _below_floor(shape: ShapeTiming, slack: float) -> str | None:
 
 
 def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Reasons) -> None:
+    # Misbehaviour while timed rejects whatever validation said: it is the timed code that counts.
+    for f in benchmark.findings:
+        if f.severity == "error":
+            out.add("benchmark.misbehaved", f"{f.check}: {f.message}")
+        else:
+            out.warnings.append(f"{f.check}: {f.message}")
     if not benchmark.shapes or benchmark.geomean is None:
         out.add("benchmark.no_shapes", f"Benchmark {benchmark.benchmark_id} timed no shapes.")
         return

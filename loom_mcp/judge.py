@@ -42,6 +42,7 @@ from loom_mcp.models import (
 from loom_mcp.sandbox.lease import DeviceLease
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
+from loom_mcp.validate.taskfile import read_task
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -314,8 +315,6 @@ def task_baseline(task_path: Path) -> str | None:
     """The task's own BASELINE file, if it names one: what to time when the caller names no
     baseline, because some tasks' Model is a correctness oracle (a CPU float64 reference)
     whose speed means nothing."""
-    from loom_mcp.validate.taskfile import read_task
-
     name = read_task(task_path).baseline
     return str(task_path.parent / name) if name else None
 

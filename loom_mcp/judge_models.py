@@ -306,6 +306,11 @@ class BenchmarkEvidence(_Model):
         description="False when the candidate defines no kernels of its own (framework code "
         "only): there is nothing of its own to prove ran, and the same timer measured it",
     )
+    findings: list[Finding] = Field(
+        default_factory=list,
+        description="What the candidate did while timed (stale outputs, replaced timers); an "
+        "error here rejects whatever validation said",
+    )
 
 
 # ---------------------------------------------------------------- verdict

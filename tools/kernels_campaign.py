@@ -40,18 +40,6 @@ import anyio
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
-# Passed through to the server (the MCP client otherwise hands it only HOME, PATH, USER, ...).
-PASS_ENV = (
-    "PYTHONPATH",
-    "CUDA_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "CUDA_HOME",
-    "ROCM_PATH",
-    "LD_LIBRARY_PATH",
-    "TRITON_CACHE_DIR",
-    "TMPDIR",
-)
 CPU_MAX_SHAPES = 2
 
 
@@ -190,15 +178,10 @@ def server_command() -> tuple[str, list[str]]:
 def server_params(home: Path, roots: list[Path], log_level: str):
     from mcp import StdioServerParameters
 
+    from loom_mcp.demo import server_env  # the import path and GPU selection, passed through
+
     command, prefix = server_command()
-    env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-    env.update(
-        {
-            "LOOM_HOME": str(home),
-            "LOOM_ALLOWED_ROOTS": os.pathsep.join(str(r) for r in roots),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env = server_env(home) | {"LOOM_ALLOWED_ROOTS": os.pathsep.join(str(r) for r in roots)}
     args = [*prefix, "--stdio", "--home", str(home), "--log-level", log_level]
     return StdioServerParameters(command=command, args=args, env=env)
 

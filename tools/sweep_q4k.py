@@ -62,9 +62,18 @@ def time_rotating(fn, sets: list[tuple], replays: int = 20) -> tuple[float, floa
     return statistics.median(times), times[len(times) // 10], times[-1 - len(times) // 10]
 
 
-def error_row(kernel: str, shape: list[int], config, exc: Exception) -> dict:
-    """A configuration that fails to compile or run is a row of the table, not a crash."""
-    return {"kernel": kernel, "shape": shape, "config": config._asdict(), "error": repr(exc)[:300]}
+def table_row(kernel: str, shape: list[int], config, timing=None, error=None, **fields) -> dict:
+    """One row of the sweep: a configuration, its (median, p10, p90) seconds per call and derived
+    figures, or why it failed (a configuration that does not compile is a row, not a crash)."""
+    row = {
+        "kernel": kernel,
+        "shape": shape,
+        "config": config if isinstance(config, str) else config._asdict(),
+    }
+    if error is not None:
+        return row | {"error": repr(error)[:300]}
+    med, p10, p90 = timing
+    return row | {"us": med * 1e6, "p10_us": p10 * 1e6, "p90_us": p90 * 1e6} | fields
 
 
 def rotating_sets(make, bytes_each: int) -> list[tuple]:
@@ -109,26 +118,26 @@ def sweep_gemv(rows: list[dict]) -> None:
             try:
                 out = cand.q4k_gemv(x0, w0, config).float()
                 err = (out - expected).abs().max().item()
-                med, p10, p90 = time_rotating(lambda x, w, c=config: cand.q4k_gemv(x, w, c), sets)
+                timing = time_rotating(lambda x, w, c=config: cand.q4k_gemv(x, w, c), sets)
             except Exception as exc:
-                rows.append(error_row("q4k_gemv", [batch, n, k], config, exc))
+                rows.append(table_row("q4k_gemv", [batch, n, k], config, error=exc))
                 continue
-            row = {
-                "kernel": "q4k_gemv",
-                "shape": [batch, n, k],
-                "config": config._asdict(),
-                "us": med * 1e6,
-                "p10_us": p10 * 1e6,
-                "p90_us": p90 * 1e6,
-                "tb_s": ideal / med / 1e12,
-                "max_err_vs_baseline": err,
-                "speedup_vs_naive": base_t / med,
-            }
+            med = timing[0]
+            row = table_row(
+                "q4k_gemv",
+                [batch, n, k],
+                config,
+                timing,
+                tb_s=ideal / med / 1e12,
+                max_err_vs_baseline=err,
+                speedup_vs_naive=base_t / med,
+            )
             rows.append(row)
             if best is None or med < best["us"] / 1e6:
                 best = row
         default = cand.q4k_gemv  # what pick_config chooses
-        med, p10, p90 = time_rotating(default, sets)
+        timing = time_rotating(default, sets)
+        med = timing[0]
         print(
             f"gemv b{batch} {n}x{k}: naive {base_t * 1e6:.1f} us; default {med * 1e6:.2f} us "
             f"({ideal / med / 1e12:.2f} TB/s); best {best and best['config']} "
@@ -136,14 +145,14 @@ def sweep_gemv(rows: list[dict]) -> None:
             flush=True,
         )
         rows.append(
-            {
-                "kernel": "q4k_gemv",
-                "shape": [batch, n, k],
-                "config": "default",
-                "us": med * 1e6,
-                "tb_s": ideal / med / 1e12,
-                "naive_us": base_t * 1e6,
-            }
+            table_row(
+                "q4k_gemv",
+                [batch, n, k],
+                "default",
+                timing,
+                tb_s=ideal / med / 1e12,
+                naive_us=base_t * 1e6,
+            )
         )
         del sets
         torch.cuda.empty_cache()
@@ -175,25 +184,24 @@ def sweep_gemm(rows: list[dict]) -> None:
                 try:
                     out = cand.q4k_gemm(x0, w0, config).float()
                     err = ((out - expected).abs().max() / expected.abs().max()).item()
-                    med, p10, p90 = time_rotating(
+                    timing = time_rotating(
                         lambda x, w, c=config: cand.q4k_gemm(x, w, c), sets, replays=10
                     )
                 except Exception as exc:
-                    rows.append(error_row("q4k_gemm", [m, n, k], config, exc))
+                    rows.append(table_row("q4k_gemm", [m, n, k], config, error=exc))
                     continue
+                med = timing[0]
                 rows.append(
-                    {
-                        "kernel": "q4k_gemm",
-                        "shape": [m, n, k],
-                        "config": config._asdict(),
-                        "us": med * 1e6,
-                        "p10_us": p10 * 1e6,
-                        "p90_us": p90 * 1e6,
-                        "tflops": flops / med / 1e12,
-                        "cublas_tflops": flops / cublas / 1e12,
-                        "naive_us": base_t * 1e6,
-                        "rel_err": err,
-                    }
+                    table_row(
+                        "q4k_gemm",
+                        [m, n, k],
+                        config,
+                        timing,
+                        tflops=flops / med / 1e12,
+                        cublas_tflops=flops / cublas / 1e12,
+                        naive_us=base_t * 1e6,
+                        rel_err=err,
+                    )
                 )
                 print(
                     f"gemm m{m} {n}x{k} {config}: {med * 1e6:.1f} us {flops / med / 1e12:.0f} TFLOP/s "
@@ -220,21 +228,22 @@ def sweep_rmsnorm(rows: list[dict]) -> None:
         for block_rows, warps in itertools.product([1, 2, 4, 8], [2, 4, 8, 16]):
             config = cand.RmsnormConfig(block_rows, warps)
             try:
-                med, p10, p90 = time_rotating(
+                timing = time_rotating(
                     lambda x, c=config, m=model: cand.rmsnorm(x, m.weight, m.eps, c), sets
                 )
             except Exception as exc:
-                rows.append(error_row("rmsnorm", [tokens, hidden], config, exc))
+                rows.append(table_row("rmsnorm", [tokens, hidden], config, error=exc))
                 continue
+            med = timing[0]
             rows.append(
-                {
-                    "kernel": "rmsnorm",
-                    "shape": [tokens, hidden],
-                    "config": config._asdict(),
-                    "us": med * 1e6,
-                    "tb_s": moved / med / 1e12,
-                    "pct_copy": 100 * moved / med / copy,
-                }
+                table_row(
+                    "rmsnorm",
+                    [tokens, hidden],
+                    config,
+                    timing,
+                    tb_s=moved / med / 1e12,
+                    pct_copy=100 * moved / med / copy,
+                )
             )
         best = min(
             (

@@ -95,9 +95,15 @@ def widen(pair, high: tl.constexpr, X_IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def load_block_header(w_ptr, block_words, block_ok):
-    """d and dmin (fp32) and the three packed scale words of each Q4_K block in the tile; a
-    clamped (out-of-range) block gets d = dmin = 0, so it contributes exactly nothing."""
+def load_block_tile(w_ptr, row_words, blocks, n_blocks):
+    """For blocks `blocks` of the rows starting at `row_words`: the clamped block indices, the
+    word offset of each [row, block], d and dmin (fp32) and the three packed scale words.
+
+    Blocks past the end are clamped to the last one, so every load stays unmasked (and
+    vectorised), and get d = dmin = 0, so they contribute exactly nothing."""
+    block_ok = blocks < n_blocks
+    blocks_safe = tl.minimum(blocks, n_blocks - 1)
+    block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]; 36 words per block
     head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
     s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
     s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
@@ -106,7 +112,7 @@ def load_block_header(w_ptr, block_words, block_ok):
     dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     d = tl.where(block_ok[None, :], d, 0.0)
     dmin = tl.where(block_ok[None, :], dmin, 0.0)
-    return d, dmin, s1, s2, s3
+    return blocks_safe, block_words, d, dmin, s1, s2, s3
 
 
 @triton.jit
@@ -152,11 +158,9 @@ def q4k_gemv_kernel(
     acc = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_KB], dtype=tl.float32)
 
     for kb0 in range(0, n_blocks, BLOCK_KB):
-        blocks = kb0 + kbs
-        block_ok = blocks < n_blocks
-        blocks_safe = tl.minimum(blocks, n_blocks - 1)
-        block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]; 36 words per block
-        d, dmin, s1, s2, s3 = load_block_header(w_ptr, block_words, block_ok)
+        blocks_safe, block_words, d, dmin, s1, s2, s3 = load_block_tile(
+            w_ptr, row_words, kb0 + kbs, n_blocks
+        )
 
         for c in tl.static_range(4):  # 32-byte chunk c holds sub-blocks 2c (low) and 2c+1 (high)
             code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
@@ -261,11 +265,9 @@ def q4k_gemv_mma_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
 
     for kb0 in range(0, n_blocks, BLOCK_KB):
-        blocks = kb0 + kbs
-        block_ok = blocks < n_blocks
-        blocks_safe = tl.minimum(blocks, n_blocks - 1)
-        block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]
-        d, dmin, s1, s2, s3 = load_block_header(w_ptr, block_words, block_ok)
+        blocks_safe, block_words, d, dmin, s1, s2, s3 = load_block_tile(
+            w_ptr, row_words, kb0 + kbs, n_blocks
+        )
         x_blocks = tl.minimum(kb0 + k_lane // 32, n_blocks - 1)
         for c in tl.static_range(4):
             code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])

@@ -219,7 +219,7 @@ async def benchmark_candidate(
         geomean=stats.geomean, throttled_samples_dropped=stats.throttled_samples_dropped,
         outliers_dropped=stats.outliers_dropped, l2_flushed=flush_bytes > 0,
         graph_replay=graph_used, proof_of_execution=proof, proof_note=proof_note,
-        proof_applicable=proof_applicable,
+        proof_applicable=proof_applicable, findings=findings,
     )
     return evidence, findings
 
