@@ -275,7 +275,7 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
             speedup=s.ratio.estimate, ci_low=s.ratio.ci_low, ci_high=s.ratio.ci_high,
             pairs=min(s.baseline.n, s.candidate.n),
             candidate_cv=(s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0,
-            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction)
+            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction, stop_reason=s.stop_reason)
         for s in evidence.shapes
     ]
     g = evidence.geomean

@@ -71,7 +71,8 @@ class GateConfig(_Model):
     stderr_target: float = Field(
         default=0.005,
         gt=0,
-        description="Benchmark stopping rule: stop once stderr/mean of each arm is below this",
+        description="Benchmark stopping rule: stop once the standard error of each arm's median, "
+        "relative to that median, is below this",
     )
     min_samples: int = Field(
         default=10, ge=2, description="Stopping rule: never stop before this many samples per arm"
@@ -258,6 +259,8 @@ class ShapeSamples(_Model):
     throttled: list[bool] | None = None
     flops: float | None = Field(default=None, ge=0)
     bytes_moved: float | None = Field(default=None, ge=0)
+    stop_reason: Literal["precise", "time_cap"] | None = None
+    sampling_s: float | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _lengths(self) -> ShapeSamples:
@@ -281,6 +284,11 @@ class ShapeTiming(_Model):
     )
     throttled_dropped: int = Field(default=0, ge=0, description="Samples, both arms counted")
     outliers_dropped: int = Field(default=0, ge=0, description="Samples, both arms counted")
+    stop_reason: Literal["precise", "time_cap"] | None = Field(
+        default=None,
+        description="Why sampling stopped: both medians precise (stderr_target), or max_time_s",
+    )
+    sampling_s: float | None = Field(default=None, ge=0, description="Seconds spent sampling")
 
 
 class BenchmarkEvidence(_Model):

@@ -206,6 +206,9 @@ class ShapeSpeed(_Model):
     candidate_cv: float = Field(description="Coefficient of variation of the candidate's samples")
     floor_s: float | None = None
     roofline_fraction: float | None = Field(default=None, description="floor / candidate median")
+    stop_reason: Literal["precise", "time_cap"] | None = Field(
+        default=None, description="precise: both medians reached the gate's precision; time_cap: "
+        "the gate's max_time_s ran out first and the CI is as wide as it came out")
 
 
 class BenchmarkResult(_Model):

@@ -14,6 +14,7 @@ from loom_mcp.bench.stats import (
     iqr_keep_mask,
     physical_floor,
     ratio_ci,
+    relative_median_stderr,
     relative_stderr,
     roofline_fraction,
     should_stop,
@@ -68,6 +69,29 @@ def test_relative_stderr():
     assert relative_stderr([1.0]) == float("inf")
     x = [0.9, 1.0, 1.1, 1.0]
     assert relative_stderr(x) == pytest.approx(np.std(x, ddof=1) / 2 / 1.0)
+
+
+def test_relative_median_stderr_matches_the_spread_of_medians():
+    # Over many repeated experiments, the estimate should match the observed spread of the median.
+    rng = np.random.default_rng(3)
+    runs = 1.0 + rng.normal(0, 0.05, (2000, 400))
+    observed = np.std(np.median(runs, axis=1))
+    estimated = np.median([relative_median_stderr(r) for r in runs[:200]])
+    assert estimated == pytest.approx(observed, rel=0.15)
+    assert relative_median_stderr([1.0]) == float("inf")
+    # Quantised timers: a zero MAD falls back to the IQR, and all-equal samples are exact.
+    assert relative_median_stderr([1.0] * 8 + [2.0] * 4) > 0
+    assert relative_median_stderr([2.0] * 5) == 0.0
+
+
+def test_rare_slow_outliers_do_not_hold_the_stopping_rule():
+    # 2 % of launches preempted at 20x: the mean's stderr stays ~10x the target, the median is
+    # precise. The rule must stop on precision, not run to the time cap.
+    rng = np.random.default_rng(4)
+    x = 1.0 + rng.normal(0, 0.02, 1000)
+    x[rng.random(1000) < 0.02] = 20.0
+    assert relative_stderr(x) > 0.01
+    assert stop_reason(x, 0.005, 10, 0.5, 10.0, elapsed=1.0) == "precise"
 
 
 # ---------------------------------------------------------------- stopping rule

@@ -20,6 +20,7 @@ import asyncio
 import csv
 import io
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -161,6 +162,9 @@ async def main() -> int:
                         help="cap the stopping rule's time per shape (the A/A runs hit it every time)")
     args = parser.parse_args()
     only = set(args.only.split(","))
+    # Each sandboxed step and each benchmarked shape logs its time: where the time goes.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
 
     from loom_mcp import judge
     from loom_mcp.config import load_config
@@ -254,7 +258,9 @@ async def main() -> int:
             t3 = time.perf_counter()
             runs.append({"attempt": attempt, "compile_s": t1 - t0, "validate_s": t2 - t1,
                          "benchmark_s": t3 - t2, "total_s": t3 - t0,
-                         "speedups": {s.name: round(s.speedup, 3) for s in result.shapes}})
+                         "speedups": {s.name: round(s.speedup, 3) for s in result.shapes},
+                         "pairs": {s.name: s.pairs for s in result.shapes},
+                         "stop_reasons": {s.name: s.stop_reason for s in result.shapes}})
             print(f"turnaround {attempt}: compile {t1 - t0:.1f} s, validate {t2 - t1:.1f} s, "
                   f"benchmark {t3 - t2:.1f} s, total {t3 - t0:.1f} s", flush=True)
         results["turnaround"] = runs

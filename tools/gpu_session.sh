@@ -6,28 +6,34 @@
 #
 # Phases (outputs under $OUT/<phase>/, progress on stdout so a cut-off run still says where
 # it got):
-#   verify   GPU-only tests and the demo: the read-only job file system's first GPU run
-#   power    bench_judge's power test, 10 tries (run it twice for the 20)
-#   judge    turnaround and fidelity
-#   kernels  tilings sweep, then the roofline table
-#   loop     every kernel task through submit_candidate over MCP (evidence ids)
-#   model    the Llama-3-8B-shaped model program: decode, prefill, logits check
+#   verify      GPU-only tests and the demo: the read-only job file system's first GPU run
+#   power       bench_judge's power test, $TRIES tries (default 10)
+#   turnaround  compile + validate + benchmark of a Triton candidate over 6 shapes, cold and warm
+#   fidelity    our medians against ncu's
+#   sweep       Q4_K GEMV tilings (CUDA-core and tensor-core kernels) and rmsnorm rows per program
+#   kernels     the roofline table of every kernel task
+#   loop        every kernel task through submit_candidate over MCP (evidence ids)
+#   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
+# Several phases in one call: bash tools/gpu_session.sh verify turnaround kernels
 set -uo pipefail
-phase=${1:?phase: verify|power|judge|kernels|loop|model}
+for phase in "$@"; do
 out=${OUT:-.}/$phase
 mkdir -p "$out"
+echo "== $phase $(date -u +%T)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 case "$phase" in
   verify)
     timeout 200 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee "$out/pytest_gpu.txt"
     (time timeout 300 loom-mcp demo) > "$out/demo.txt" 2>&1; tail -12 "$out/demo.txt" ;;
   power)
-    timeout 560 python3 tools/bench_judge.py --only power --tries 10 --max-time-s 3 --out "$out" \
-      | grep -v "^{" | tail -14 ;;
-  judge)
-    timeout 560 python3 tools/bench_judge.py --only turnaround,fidelity --out "$out" | tail -20 ;;
+    timeout "${POWER_S:-560}" python3 tools/bench_judge.py --only power --tries "${TRIES:-10}" \
+      --out "$out" 2> "$out/log.txt" | grep -v "^{" | tail -24 ;;
+  turnaround|fidelity)
+    timeout 400 python3 tools/bench_judge.py --only "$phase" --out "$out" 2> "$out/log.txt" | grep -v "^ \|^{\|^}" | tail -20
+    grep -v Warn "$out/log.txt" | tail -40 ;;
+  sweep)
+    timeout 300 python3 tools/sweep_q4k.py --only gemv,rmsnorm --out "$out" | grep -v Warn | tail -30 ;;
   kernels)
-    timeout 300 python3 tools/sweep_q4k.py --out "$out" | grep -v Warn | tail -30
     timeout 260 python3 tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
     tail -40 "$out/bench_kernels.log" ;;
   loop)
@@ -38,3 +44,4 @@ case "$phase" in
       > "$out/llama3-8b.json" 2> "$out/llama3-8b.err"; tail -c 3000 "$out/llama3-8b.json"; tail -5 "$out/llama3-8b.err" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
+done

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-# Decode (1 and 8 tokens) and prefill (512, 4096 tokens) at Llama-3-8B's hidden size, plus edge
+# Decode (1 and 8 tokens) and prefill (512, 4096 tokens; 16384 is the large size that the
+# bandwidth target is stated at) at Llama-3-8B's hidden size, plus edge
 # shapes: a token count that is not a power of two, and hidden sizes whose row does not fill a
 # power-of-two block (4000) or needs a block twice as wide as 4096 (5120, Llama-2-13B).
 SHAPES: list[dict] = [
@@ -22,6 +23,7 @@ SHAPES: list[dict] = [
     {"name": "decode_t8_h4096", "tokens": 8, "hidden": 4096},
     {"name": "prefill_t512_h4096", "tokens": 512, "hidden": 4096},
     {"name": "prefill_t4096_h4096", "tokens": 4096, "hidden": 4096},
+    {"name": "prefill_t16384_h4096", "tokens": 16384, "hidden": 4096},
     {"name": "tail_t1023_h4096", "tokens": 1023, "hidden": 4096},
     {"name": "tail_t1023_h4000", "tokens": 1023, "hidden": 4000},
     {"name": "decode_t8_h5120", "tokens": 8, "hidden": 5120},

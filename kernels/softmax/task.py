@@ -25,6 +25,7 @@ SHAPES: list[dict] = [
     {"name": "sample_t8_v32000", "rows": 8, "cols": 32000},
     {"name": "rows_t512_n4096", "rows": 512, "cols": 4096},
     {"name": "rows_t4096_n4096", "rows": 4096, "cols": 4096},
+    {"name": "rows_t16384_n4096", "rows": 16384, "cols": 4096},
     {"name": "tail_t1023_n4000", "rows": 1023, "cols": 4000},
     {"name": "rows_t512_n4096_fp16", "rows": 512, "cols": 4096, "dtype": "float16"},
 ]

@@ -9,6 +9,7 @@ output samples taken at secret positions, applies the stopping rule, and compute
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 import shutil
@@ -32,6 +33,7 @@ from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, run_job
 
 Progress = Callable[[str], Awaitable[None]]
+log = logging.getLogger("loom_mcp.bench")
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
 SAMPLE_RTOL = 2e-2  # see samples_agree
 SAMPLE_SCALE_TOL = 1e-2
@@ -120,20 +122,6 @@ async def benchmark_candidate(
     timer_device = device
     device, env, visible = job_placement(device)
     cases_file = job_dir / "prep" / "bench_cases.pt"
-    await say("preparing rotated input sets")
-    prep = await run_job(JobSpec(
-        argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep",
-        env={**env, "LOOM_NONCE": str(secrets.randbits(62))}, visible_devices=visible,
-        timeout_s=timeout_s,
-        request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
-                 "cases_file": str(cases_file),
-                 "rotate_bytes": 2 * flush_bytes, "max_sets": 8},
-    ), on_progress=progress)
-    if not prep.ok or not prep.result or prep.result.get("error"):
-        detail = (prep.result or {}).get("error") or prep.stderr_tail[-1500:]
-        raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare benchmark inputs: {detail}")
-    shape_meta: list[dict] = prep.result["shapes"]
-
     token = secrets.token_hex(16)
     # AF_UNIX paths are limited to ~107 bytes; a deep LOOM_HOME would overflow it, so the socket
     # lives in a short private directory of its own.
@@ -144,8 +132,8 @@ async def benchmark_candidate(
         "candidate": (candidate, "ModelNew"),
     }
     findings: list[Finding] = []
-    samples: dict[str, dict[str, list]] = {m["name"]: {"a": [], "b": [], "throttled": []}
-                                           for m in shape_meta}
+    samples: dict[str, dict[str, Any]] = {}
+    shape_meta: list[dict] = []
     graph_used = False
     proof: bool | None = None
     proof_note: str | None = None
@@ -165,7 +153,24 @@ async def benchmark_candidate(
                              "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S},
                 ))
 
+            prepared = anyio.Event()
+            prep_box: dict[str, Any] = {}
+
+            async def prepare() -> None:
+                # Runs while the arms start: their imports and device setup overlap it.
+                prep_box["job"] = await run_job(JobSpec(
+                    argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep",
+                    env={**env, "LOOM_NONCE": str(secrets.randbits(62))}, visible_devices=visible,
+                    timeout_s=timeout_s,
+                    request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
+                             "cases_file": str(cases_file),
+                             "rotate_bytes": flush_bytes, "max_sets": 8},
+                ), on_progress=progress)
+                prepared.set()
+
+            await say("preparing rotated input sets; starting both arms")
             async with anyio.create_task_group() as tg:
+                tg.start_soon(prepare)
                 tg.start_soon(launch, "baseline")
                 tg.start_soon(launch, "candidate")
                 arms: dict[str, ArmConnection] = {}
@@ -182,6 +187,20 @@ async def benchmark_candidate(
                             if hello.get("error"):
                                 raise ArmError(conn.role, hello["error"])
                             arms[conn.role] = conn
+                    with anyio.fail_after(timeout_s):
+                        await prepared.wait()
+                    prep = prep_box["job"]
+                    if not prep.ok or not prep.result or prep.result.get("error"):
+                        detail = (prep.result or {}).get("error") or prep.stderr_tail[-1500:]
+                        tg.cancel_scope.cancel()
+                        raise LoomError(ErrorCode.BAD_INPUT,
+                                        f"the task could not prepare benchmark inputs: {detail}")
+                    shape_meta.extend(prep.result["shapes"])
+                    samples.update({m["name"]: {"a": [], "b": [], "throttled": []} for m in shape_meta})
+                    for conn in arms.values():
+                        loaded = await conn.ask({"op": "load"}, timeout_s)
+                        if loaded.get("error"):
+                            raise ArmError(conn.role, loaded["error"])
                     graph_used, proof, proof_note, proof_applicable = await _run_pairs(
                         arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
                 except ArmError as exc:
@@ -226,13 +245,14 @@ async def benchmark_candidate(
 
 async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clock_sampler,
                      findings: list[Finding], say, candidate: Path):
-    from loom_mcp.bench.stats import should_stop_paired
+    from loom_mcp.bench.stats import paired_stop_reason
 
     graph_used = False
     mismatch_reported = False
     tamper_reported: set[str] = set()
     for shape_index, meta in enumerate(shape_meta):
         name = meta["name"]
+        setup_started = time.monotonic()
         setup_a = await arms["baseline"].ask({"op": "setup", "shape": shape_index}, timeout_s)
         setup_b = await arms["candidate"].ask({"op": "setup", "shape": shape_index}, timeout_s)
         graph_used = graph_used or setup_a["graph"] or setup_b["graph"]
@@ -273,10 +293,14 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                             "baseline's at sampled positions (honest only when validated?)"))
             pair += 1
             elapsed = time.monotonic() - started
-            if should_stop_paired(record["a"], record["b"], gate, elapsed):
+            stop = paired_stop_reason(record["a"], record["b"], gate, elapsed)
+            if stop:
+                record["stop"], record["seconds"] = stop, elapsed
                 break
             if pair % 20 == 0:
                 await say(f"{name}: {pair} pairs, {elapsed:.1f} s")
+        log.info("benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s",
+                 name, started - setup_started, pair, len(record["a"]), elapsed, stop)
         await say(f"{name}: {pair} pairs done")
 
     proof, note, applicable = None, "proof of execution needs a GPU profiler (CPU run)", True

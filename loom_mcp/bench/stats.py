@@ -85,6 +85,27 @@ def relative_stderr(samples: ArrayLike) -> float:
     return float(np.std(x, ddof=1) / np.sqrt(x.size) / mean)
 
 
+def relative_median_stderr(samples: ArrayLike) -> float:
+    """Standard error of the median / median, from a robust spread; +inf when not estimable.
+
+    se(median) = sqrt(pi/2) * sigma / sqrt(n), with sigma = 1.4826 * MAD (the normal-consistent
+    MAD; the IQR's when the MAD is zero on quantised timers). The benchmark reports medians, so
+    this is the precision that matters: a few slow outliers (a preempted launch, a clock ramp)
+    inflate the mean's standard error for ever but move the median by one rank.
+    """
+    x = _as_array(samples)
+    if x.size < 2:
+        return float("inf")
+    median = float(np.median(x))
+    if median <= 0:
+        return float("inf")
+    sigma = 1.4826 * float(np.median(np.abs(x - median)))
+    if sigma == 0.0:
+        q1, q3 = np.percentile(x, [25, 75])
+        sigma = float(q3 - q1) / 1.349
+    return float(np.sqrt(np.pi / 2) * sigma / np.sqrt(x.size) / median)
+
+
 # ---------------------------------------------------------------- stopping rule
 
 StopReason = Literal["precise", "time_cap"]
@@ -102,14 +123,16 @@ def stop_reason(
 
     The time cap wins over everything (a slow kernel must not hold the device forever). Before
     min_samples and min_time_s nothing else counts: an early, lucky low variance is not precision.
-    After that, stop once stderr/mean < stderr_target (nvbench's stdrel rule, gpu-mode's too).
+    After that, stop once the median's relative standard error < stderr_target. (nvbench and
+    gpu-mode use stderr/mean, which a few slow outliers keep high long after the medians we
+    report are precise.)
     """
     if elapsed >= max_time_s:
         return "time_cap"
     x = _as_array(samples)
     if x.size < max(min_samples, 2) or elapsed < min_time_s:
         return None
-    if relative_stderr(x) < stderr_target:
+    if relative_median_stderr(x) < stderr_target:
         return "precise"
     return None
 
@@ -128,15 +151,27 @@ def should_stop(
     )
 
 
+def paired_stop_reason(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    config: GateConfig,
+    elapsed: float,
+) -> StopReason | None:
+    """The A/B loop stops when both arms are precise, or at the time cap."""
+    args = (config.stderr_target, config.min_samples, config.min_time_s, config.max_time_s, elapsed)
+    reasons = (stop_reason(baseline, *args), stop_reason(candidate, *args))
+    if None in reasons:
+        return None
+    return "time_cap" if "time_cap" in reasons else "precise"
+
+
 def should_stop_paired(
     baseline: ArrayLike,
     candidate: ArrayLike,
     config: GateConfig,
     elapsed: float,
 ) -> bool:
-    """The A/B loop stops when both arms are precise, or at the time cap."""
-    args = (config.stderr_target, config.min_samples, config.min_time_s, config.max_time_s, elapsed)
-    return should_stop(baseline, *args) and should_stop(candidate, *args)
+    return paired_stop_reason(baseline, candidate, config, elapsed) is not None
 
 
 # ---------------------------------------------------------------- filtering
@@ -496,6 +531,8 @@ def analyze_shapes(
                 roofline_fraction=roofline_fraction(cand.median, floor),
                 throttled_dropped=f.throttled_dropped,
                 outliers_dropped=f.outliers_dropped,
+                stop_reason=shape.stop_reason,
+                sampling_s=shape.sampling_s,
             )
         )
     return BenchmarkStats(

@@ -61,7 +61,8 @@ class Arm:
         self.device = pick_device(request.get("device"))
         module = load_module(request["module"], f"loom_bench_{request['role']}")
         self.model_cls = getattr(module, request["class_name"])
-        self.shapes = torch.load(request["cases_file"], weights_only=True)["shapes"]
+        self.cases_file = request["cases_file"]
+        self.shapes: list[dict] = []  # loaded on "load": the inputs are prepared while we start
         self.flush_bytes = int(request.get("flush_bytes") or 0)
         self.graph_below_s = float(request.get("graph_below_s") or 0.0)
         self.gpu = self.device.type == "cuda"
@@ -71,6 +72,10 @@ class Arm:
         self.perturb = bool(request.get("perturb", True))
 
     # -- setup
+    def load(self) -> dict:
+        self.shapes = torch.load(self.cases_file, weights_only=True)["shapes"]
+        return {"shapes": len(self.shapes)}
+
     def setup(self, shape_index: int) -> dict:
         sets = self.shapes[shape_index]["sets"]
         model = build_model(self.model_cls, sets[0], self.device)
@@ -230,7 +235,9 @@ def main() -> None:
         command = json.loads(line)
         op = command["op"]
         try:
-            if op == "setup":
+            if op == "load":
+                reply(arm.load())
+            elif op == "setup":
                 reply(arm.setup(command["shape"]))
             elif op == "batch":
                 samples += 1
