@@ -435,6 +435,54 @@ async def test_a_job_cannot_write_outside_its_own_directories(tmp_path: Path) ->
     assert (extra / "b").read_text() == "written by the job"
 
 
+UNLOCK = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+MS_REMOUNT, MS_BIND, MS_REC = 32, 4096, 16384
+report = {"caps": [line.split()[1] for line in open("/proc/self/status")
+                   if line.startswith(("CapEff", "CapPrm", "CapBnd"))]}
+if os.environ["ROUTE"] == "nested_userns":
+    # A fresh user namespace gives its creator every capability again, over a new mount
+    # namespace whose copied read-only mounts must stay locked.
+    libc.unshare(0x10000000 | 0x00020000)
+    for path, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        try:
+            open(f"/proc/self/{path}", "w").write(text)
+        except OSError:
+            pass
+report["remount"] = libc.mount(None, b"/", None, MS_REMOUNT | MS_BIND | MS_REC, None)
+attr = (ctypes.c_uint64 * 4)(0, 1, 0, 0)  # mount_setattr: clear MOUNT_ATTR_RDONLY
+report["mount_setattr"] = libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), 32)
+try:
+    open(os.environ["OUTSIDE"], "w").write("rewritten")
+    report["write"] = "ok"
+except OSError as exc:
+    report["write"] = exc.strerror
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("route", ["remount", "nested_userns"])
+async def test_a_job_cannot_make_the_file_system_writable_again(tmp_path: Path, route: str) -> None:
+    """The job's mount namespace is its own; as uid 0 in its user namespace it used to keep
+    CAP_SYS_ADMIN there and remounted / read-write (seen before capabilities were dropped)."""
+    outside = tmp_path / "task.py"
+    outside.write_text("TOLERANCE = 'strict'\n")
+    spec = JobSpec(argv=[sys.executable, "-c", UNLOCK], job_dir=tmp_path / "job",
+                   env={"OUTSIDE": str(outside), "ROUTE": route})
+    result = await run_job(spec)
+    assert result.ok, result.stderr_tail
+    if not result.readonly_fs:
+        pytest.skip("this kernel gives jobs no mount namespace or no mount_setattr")
+    report = json.loads(result.stdout_tail)
+    assert report["write"] == "Read-only file system", report
+    assert report["remount"] == -1 and report["mount_setattr"] == -1, report
+    if route == "remount":
+        assert report["caps"] == ["0000000000000000"] * 3, report
+    assert outside.read_text() == "TOLERANCE = 'strict'\n"
+
+
 @pytest.mark.anyio
 async def test_opting_out_keeps_the_file_system_writable(tmp_path: Path) -> None:
     target = tmp_path / "agent-output.txt"

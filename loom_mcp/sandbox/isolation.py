@@ -51,7 +51,12 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
@@ -595,11 +600,38 @@ def _close(*fds: int | None) -> None:
                 os.close(fd)
 
 
+def _drop_capabilities() -> None:
+    """Leave the worker no capabilities, in its user namespace or outside it.
+
+    uid 0 keeps every capability across exec, and inside the job's own user namespace that
+    includes CAP_SYS_ADMIN over the job's mount namespace: a worker running as root could
+    remount / read-write and rewrite the task, the harness or the ledger (a job did exactly
+    that before this existed). With the bounding and inheritable sets empty, exec grants
+    nothing; no_new_privs keeps setuid and file-capability binaries from granting more.
+    Best effort for the parts a non-root launcher may not do (it has nothing to drop then).
+    """
+    libc = _libc()
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == errno.EINVAL:  # past the kernel's last capability
+                break
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
+    libc.capset(ctypes.byref(header), ctypes.byref(data))
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
 def _exec_worker(argv: list[str]) -> NoReturn:
     # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: give the worker
     # the defaults a shell would.
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    try:
+        _drop_capabilities()
+    except OSError as exc:
+        os.write(2, f"loom sandbox: cannot drop privileges: {exc.strerror}\n".encode())
+        os._exit(SETUP_FAILED)
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:
