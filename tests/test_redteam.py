@@ -134,6 +134,8 @@ async def test_honest_benchmark_reports_statistics(server, workspace):
     shape = timed["shapes"][0]
     assert shape["pairs"] >= 10
     assert shape["ci_low"] <= shape["speedup"] <= shape["ci_high"]
+    # Every shape says whether its medians reached the gate's precision or the time cap did.
+    assert {s["stop_reason"] for s in timed["shapes"]} <= {"precise", "time_cap"}
     if timed["timer"] == "wall_clock":
         assert "CPU" in timed["timer_note"]
     else:

@@ -217,13 +217,17 @@ async def benchmark_candidate(
                                 await conn.ask({"op": "quit"}, 5)
                             except Exception:
                                 pass
+                    # Nothing of the arms is needed past "quit": end them now instead of waiting
+                    # for an interpreter with a device context (and a profiler) to wind down.
+                    tg.cancel_scope.cancel()
 
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     shape_samples = [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],
-                     flops=m["flops"], bytes_moved=m["bytes_moved"])
+                     flops=m["flops"], bytes_moved=m["bytes_moved"],
+                     stop_reason=samples[m["name"]].get("stop"), sampling_s=samples[m["name"]].get("seconds"))
         for m in shape_meta
     ]
     peak_bw = peak.memory_bandwidth_bytes_s if peak else None

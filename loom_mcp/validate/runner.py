@@ -4,8 +4,8 @@
    nonce and writes the inputs. No reference output exists yet.
 2. `candidate` (untrusted): a fresh process that never imports the task; runs each case twice,
    saves its outputs.
-3. `reference.compare` (trusted): regenerates the inputs from their seeds, computes the
-   reference (native and float64) and compares.
+3. `reference.compare` (trusted): regenerates the inputs from their seeds and computes the
+   reference (native and float64) while the candidate runs, then compares once it has exited.
 All three start together so imports and device setup overlap; steps 2 and 3 wait for a go-file
 signed with a token only they hold (in their environment), published when the step before them
 has exited. The seed nonce travels in the environment too: files under the server's home are
@@ -91,7 +91,8 @@ async def validate_candidate(
             argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref",
             env={**env, "LOOM_GO_SIGNER": token}, visible_devices=visible, timeout_s=timeout_s,
             request={"mode": "compare", "task": str(task), "outputs_file": str(outputs_file),
-                     "device": device, "tolerances": tol_table, "go_file": str(signals / "comp.go")}),
+                     "device": device, "tolerances": tol_table, "plan_file": str(signals / "comp.plan"),
+                     "go_file": str(signals / "comp.go")}),
     }
     jobs = StepJobs(specs, progress)
 
@@ -108,6 +109,9 @@ async def validate_candidate(
                  prep.result.get("seconds") or 0.0)
 
         publish_go(signals / "cand.go", {}, token)
+        # The reference step computes its outputs while the candidate runs (another process: the
+        # candidate still runs first in its own); it compares once the candidate has exited.
+        publish_go(signals / "comp.plan", {"cases": planned, "digests": prep.result["digests"]}, token)
         await say(f"running the candidate on {len(planned)} cases")
         cand = await jobs.result("cand")
         cand_result = cand.result if cand.ok and cand.result else None
@@ -122,7 +126,7 @@ async def validate_candidate(
         if cand_result is None or cand_result.get("load_error") or not outputs_file.exists():
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
-        publish_go(signals / "comp.go", {"cases": planned, "digests": prep.result["digests"]}, token)
+        publish_go(signals / "comp.go", {}, token)
         await say("computing the reference and comparing")
         comp = await jobs.result("comp")
         if not comp.ok or not comp.result or comp.result.get("error"):

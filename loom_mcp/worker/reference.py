@@ -1,9 +1,11 @@
 """Trusted worker: prepares validation inputs, and later computes the reference and compares.
 
 `prepare` runs before the candidate: it writes the inputs (never a reference output).
-`compare` runs after the candidate's process has exited: it regenerates every input from its
-seed (a file the candidate could have edited is not trusted), checks the regenerated inputs
-hash to what `prepare` wrote, computes the reference natively and in float64, and compares.
+`compare` starts with the candidate: once `prepare` has exited it regenerates every input from
+its seed (a file the candidate could have edited is not trusted), checks the regenerated inputs
+hash to what `prepare` wrote and computes the reference natively and in float64, on a GPU while
+the candidate runs (its own process, so the candidate still runs before the reference has
+ever run there); it compares once the candidate's process has exited.
 
 Request: {"mode": "prepare"|"compare", "task": path, "cases": [{"shape": {...}, "seed": int,
           "kind": str}], "cases_file": path, "outputs_file": path, "device": "auto",
@@ -223,49 +225,103 @@ def degenerate(native: list[torch.Tensor]) -> bool:
     return False
 
 
+class _ReferenceStore:
+    """Reference outputs computed before the candidate's outputs exist, so the reference runs
+    while the candidate does. Kept on the device while they fit a budget (a tenth of its memory,
+    at most 4 GiB: the candidate running beside us keeps its room), then on the host up to
+    4 GiB; cases past both are computed after the candidate, one at a time. On a CPU nothing is
+    computed ahead: the two processes would share the same cores."""
+
+    HOST_BUDGET = 4 << 30
+
+    def __init__(self, device: torch.device, host_budget: int | None = None) -> None:
+        self.device_budget = self.host_budget = 0
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            self.device_budget, self.host_budget = min(4 << 30, total // 10), self.HOST_BUDGET
+        if host_budget is not None:
+            self.host_budget = host_budget
+        self.on_device = self.on_host = 0
+
+    def has_room(self) -> bool:
+        return self.on_device < self.device_budget or self.on_host < self.host_budget
+
+    def keep(self, tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        if tensors is None:
+            return None
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if self.on_device + size <= self.device_budget:
+            self.on_device += size
+            return tensors
+        self.on_host += size
+        return [t.cpu() for t in tensors]
+
+
+def _reference_case(task, request: dict, index: int, device: torch.device) -> dict[str, Any]:
+    """Regenerate one case's inputs from its seed, check them against prepare's digest, and
+    compute the reference outputs (native and float64)."""
+    case = request["cases"][index]
+    inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
+    entry: dict[str, Any] = {"outputs": [], "inputs_reproducible": True, "note": None,
+                             "degenerate": False, "error": None}
+    if tensor_digest(inputs) != request["digests"][index]:
+        entry["inputs_reproducible"] = False
+    native = exact = None
+    try:
+        native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
+        entry["note"] = note
+        entry["degenerate"] = degenerate(native)
+    except Exception as exc:
+        entry["error"] = "reference failed: " + user_traceback(exc, request["task"])
+    return {"entry": entry, "native": native, "exact": exact}
+
+
 def compare(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     device = pick_device(request.get("device"))
     if device.type == "cuda":
         torch.zeros(1, device=device)  # create the context while the candidate still runs
-    if request.get("go_file"):
-        # Started early; the plan arrives once the candidate's process has exited.
-        request = {**request, **wait_for_go(request["go_file"])}
+    if request.get("plan_file"):
+        # Started early; the plan arrives once the inputs step has exited.
+        request = {**request, **wait_for_go(request["plan_file"])}
     tolerances = {canonical_key(k): v for k, v in (request.get("tolerances") or {}).items()}
     task_tol = getattr(task, "TOLERANCE", None)
     if isinstance(task_tol, dict):
         tolerances.update({canonical_key(k): dict(v) for k, v in task_tol.items()})
     custom_check = getattr(task, "check", None)
+
+    # While the candidate runs: as many reference outputs as the store has room for.
+    store = _ReferenceStore(device, request.get("ahead_host_bytes"))
+    ahead: list[dict[str, Any]] = []
+    while len(ahead) < len(request["cases"]) and store.has_room():
+        ref = _reference_case(task, request, len(ahead), device)
+        ahead.append({**ref, "native": store.keep(ref["native"]), "exact": store.keep(ref["exact"])})
+
+    # Once the candidate has exited: its outputs against the references.
+    if request.get("go_file"):
+        wait_for_go(request["go_file"])
     outputs = torch.load(request["outputs_file"], weights_only=True)["outputs"]
     results = []
-    for index, case in enumerate(request["cases"]):
-        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
-        entry: dict[str, Any] = {"outputs": [], "inputs_reproducible": True, "note": None,
-                                 "degenerate": False, "error": None}
-        if tensor_digest(inputs) != request["digests"][index]:
-            entry["inputs_reproducible"] = False
-        try:
-            native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
-        except Exception as exc:
-            entry["error"] = "reference failed: " + user_traceback(exc, request["task"])
-            results.append(entry)
-            continue
-        entry["note"] = note
-        entry["degenerate"] = degenerate(native)
+    for index in range(len(request["cases"])):
+        ref = ahead[index] if index < len(ahead) else _reference_case(task, request, index, device)
+        if index < len(ahead):
+            ahead[index] = {}  # freed after this comparison
+        entry, native, exact = ref["entry"], ref["native"], ref["exact"]
         got = outputs[index] if index < len(outputs) else None
-        if got is None:
+        if entry["error"] or got is None:
             results.append(entry)
             continue
         if len(got) != len(native):
             entry["error"] = f"candidate returned {len(got)} outputs, reference {len(native)}"
             results.append(entry)
             continue
-        for i, (out, ref) in enumerate(zip(got, native)):
-            tol = tolerances.get(canonical_dtype(ref.dtype), {"atol": 0.0, "rtol": 0.0})
-            one = compare_one(out, ref, exact[i] if exact else None, tol)
+        for i, (out, expected) in enumerate(zip(got, native)):
+            expected = expected.to(device)
+            tol = tolerances.get(canonical_dtype(expected.dtype), {"atol": 0.0, "rtol": 0.0})
+            one = compare_one(out, expected, exact[i].to(device) if exact else None, tol)
             if custom_check is not None and one["shape_match"] and one["dtype_match"]:
                 try:
-                    ok = bool(custom_check(out.to(ref.device), ref))
+                    ok = bool(custom_check(out.to(expected.device), expected))
                 except Exception as exc:
                     ok = False
                     one["message"] = "task check raised: " + user_traceback(exc, request["task"])

@@ -1,0 +1,53 @@
+"""The trusted reference worker's compare step, called directly (it is a plain function).
+
+On a GPU it computes reference outputs while the candidate runs and compares afterwards; on a
+CPU it computes each one after the candidate. Both orders must give the same verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom_mcp.worker import reference
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = str(REPO / "kernels" / "rmsnorm" / "task.py")
+SHAPES = ["decode_t1_h4096", "decode_t8_h4000_fp32"]
+
+
+def _outputs(cases_file: Path, corrupt_index: int | None) -> list[list[torch.Tensor]]:
+    """What an honest candidate returns (the task's own Model), one case made wrong."""
+    task = reference.load_module(TASK, "rmsnorm_task_for_test")
+    outputs = []
+    for index, case in enumerate(torch.load(cases_file, weights_only=True)["cases"]):
+        model = task.Model(*case["init_inputs"])
+        model.load_state_dict(case["state_dict"])
+        with torch.no_grad():
+            out = model(*case["inputs"])
+        if index == corrupt_index:
+            out = out * 1.5
+        outputs.append([out])
+    return outputs
+
+
+@pytest.mark.parametrize("ahead_host_bytes", [None, 1 << 30, 1])
+def test_compare_gives_the_same_verdicts_whether_references_are_computed_ahead_or_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead_host_bytes: int | None) -> None:
+    monkeypatch.setenv("LOOM_NONCE", "12345")
+    cases_file = tmp_path / "cases.pt"
+    plan = reference.prepare({"task": TASK, "seeds": 2, "shapes": SHAPES, "cases_file": str(cases_file)})
+    outputs_file = tmp_path / "outputs.pt"
+    torch.save({"outputs": _outputs(cases_file, corrupt_index=1)}, outputs_file)
+    request = {"task": TASK, "outputs_file": str(outputs_file), "device": "cpu",
+               "tolerances": {"bfloat16": {"atol": 1e-2, "rtol": 1e-2},
+                              "float32": {"atol": 1e-4, "rtol": 1e-4}},
+               "cases": plan["cases"], "digests": plan["digests"]}
+    if ahead_host_bytes is not None:
+        request["ahead_host_bytes"] = ahead_host_bytes  # 1 byte: only the first case ahead
+    result = reference.compare(request)
+    passed = [all(o["passed"] for o in case["outputs"]) for case in result["cases"]]
+    assert passed == [True, False, True, True]
+    assert all(case["inputs_reproducible"] for case in result["cases"])
+    assert result["cases"][1]["outputs"][0]["mismatched"] > 0
