@@ -10,6 +10,7 @@
 #   power       bench_judge's power test, $TRIES tries (default 10)
 #   turnaround  compile + validate + benchmark of a Triton candidate over 6 shapes, cold and warm
 #   fidelity    our medians against ncu's
+#   repeat      CV of the median over 5 benchmark calls, a >= 20 us and a <= 5 us kernel
 #   sweep       Q4_K GEMV tilings (CUDA-core and tensor-core kernels) and rmsnorm rows per program
 #   kernels     the roofline table of every kernel task
 #   loop        every kernel task through submit_candidate over MCP (evidence ids)
@@ -28,7 +29,7 @@ case "$phase" in
   power)
     timeout "${POWER_S:-560}" python3 tools/bench_judge.py --only power --tries "${TRIES:-10}" \
       --out "$out" 2> "$out/log.txt" | grep -v "^{" | tail -24 ;;
-  turnaround|fidelity)
+  turnaround|fidelity|repeat)
     timeout 400 python3 tools/bench_judge.py --only "$phase" --out "$out" 2> "$out/log.txt" | grep -v "^ \|^{\|^}" | tail -20
     grep -v Warn "$out/log.txt" | tail -40 ;;
   sweep)

@@ -5,7 +5,9 @@ optional extensions are read here too: `SHAPES` (a literal list of shape dicts; 
 as keyword arguments to get_inputs / get_init_inputs / flops / bytes_moved, filtered to the
 parameters each accepts, exactly as the worker does), `TOLERANCE` (literal {dtype: {atol, rtol}}),
 a `check(out, ref)` function, `flops(**shape)`, `bytes_moved(**shape)`, `NONDETERMINISTIC` and
-`BASELINE` (a file beside the task that the benchmark times when no baseline is given).
+`BASELINE` (a file beside the task that the benchmark times when no baseline is given);
+`REFERENCE_PRECISION = "native"` (read by the reference worker) skips validation's float64
+rerun of a Model that already computes in float64.
 
 Every problem is a `LoomError(BAD_INPUT)` naming `file:line`, so the agent (or the human writing
 the task) can fix it without guessing.
