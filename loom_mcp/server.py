@@ -284,10 +284,11 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     ) -> BenchmarkResult:
         """Time candidate vs baseline interleaved (ABBA) in two warm sandboxed workers: L2 flushed and
         inputs rotated before every sample, device events, graph replay for short kernels, clocks
-        sampled (throttled pairs dropped), stopping at 0.5 % standard error or a time cap. Returns per
-        shape medians, speedup with a bootstrap 95 % CI, roofline fraction when the task gives
-        flops/bytes_moved, the geomean with its CI, and whether the candidate's own kernels ran.
-        Timed outputs are checksummed at secret positions against the baseline's."""
+        sampled (throttled pairs dropped), stopping once each arm's median has a standard error under
+        0.5 % or at a time cap (each shape says which). Returns per shape medians, speedup with a
+        bootstrap 95 % CI, roofline fraction when the task gives flops/bytes_moved, the geomean with
+        its CI, and whether the candidate's own kernels ran. Timed outputs are compared at secret
+        positions against the baseline's."""
         arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes}
 
         async def body(scope: CallScope) -> BenchmarkResult:
