@@ -169,6 +169,7 @@ async def benchmark_candidate(
                 prepared.set()
 
             await say("preparing rotated input sets; starting both arms")
+            begun = time.monotonic()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prepare)
                 tg.start_soon(launch, "baseline")
@@ -187,8 +188,10 @@ async def benchmark_candidate(
                             if hello.get("error"):
                                 raise ArmError(conn.role, hello["error"])
                             arms[conn.role] = conn
+                    arms_ready = time.monotonic() - begun
                     with anyio.fail_after(timeout_s):
                         await prepared.wait()
+                    inputs_ready = time.monotonic() - begun
                     prep = prep_box["job"]
                     if not prep.ok or not prep.result or prep.result.get("error"):
                         detail = (prep.result or {}).get("error") or prep.stderr_tail[-1500:]
@@ -201,6 +204,8 @@ async def benchmark_candidate(
                         loaded = await conn.ask({"op": "load"}, timeout_s)
                         if loaded.get("error"):
                             raise ArmError(conn.role, loaded["error"])
+                    log.info("benchmark %s: arms ready %.2f s, inputs ready %.2f s, loaded %.2f s",
+                             benchmark_id, arms_ready, inputs_ready, time.monotonic() - begun)
                     graph_used, proof, proof_note, proof_applicable = await _run_pairs(
                         arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
                 except ArmError as exc:
@@ -308,7 +313,9 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         await say(f"{name}: {pair} pairs done")
 
     proof, note, applicable = None, "proof of execution needs a GPU profiler (CPU run)", True
+    proof_started = time.monotonic()
     listing = await arms["candidate"].ask({"op": "kernels"}, timeout_s)
+    log.info("benchmark: proof-of-execution trace %.2f s", time.monotonic() - proof_started)
     if listing.get("kernels") is not None:
         declared = declared_kernels(candidate.read_text())
         seen = listing["kernels"]
