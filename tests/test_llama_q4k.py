@@ -30,6 +30,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from kernels.llama_q4k.generate import DecodeStep, generate  # noqa: E402
 from kernels.llama_q4k.model import (  # noqa: E402
+    CONFIGS,
     TORCH_OPS,
     ConcatLinear,
     DenseLinear,
@@ -39,6 +40,7 @@ from kernels.llama_q4k.model import (  # noqa: E402
 )
 from kernels.llama_q4k.weights import (  # noqa: E402
     load_gguf,
+    random_weights,
     tensor_shapes,
     to_gguf_rows,
     write_gguf,
@@ -280,6 +282,10 @@ BENCH_FIELDS = {
     "triton",
     "tensor_types",
     "dequantized_at_load",
+    "copy_bandwidth_bytes_per_s",
+    "decode_step_bytes",
+    "decode_ceiling_tokens_per_s",
+    "decode_fraction_of_ceiling",
 }
 
 
@@ -311,6 +317,19 @@ def test_bench_prints_one_json_line(source, written):
     assert result["graph_capture"] is False and result["kernel_path"] == "torch-fallback"
     assert result["top1_agreement"] == 1.0
     assert result["max_abs_diff"] < REL_TOL * result["max_abs_logit"]
+    # The ceiling's denominator: the random tiny model's bytes, counted independently here.
+    if source == "random":
+        tiny = CONFIGS["tiny"]
+        weights = random_weights(tiny)
+        table = weights["token_embd.weight"]
+        others = sum(w.numel() * w.element_size() for n, w in weights.items() if n != "token_embd.weight")
+        per_step = result["decode_step_bytes"]
+        rope = tiny.head_dim // 2 * 4  # inv_freq, fp32, one tensor shared by the layers
+        assert per_step["weights"] == others + 2 * table[0].numel() + rope
+        kv = 2 * tiny.n_layers * 2 * tiny.n_kv_heads * (16 + 4) * tiny.head_dim * 4  # batch 2, fp32
+        assert per_step["kv_cache"] == kv
+        assert result["decode_fraction_of_ceiling"] == pytest.approx(
+            result["decode_tokens_per_s"] / result["decode_ceiling_tokens_per_s"])
     if source == "gguf":
         assert result["dequantized_at_load"] == {"F32": 5, "F16": 1}
         assert result["tensor_types"]["Q4_K"] == 7 * ARGS.n_layers + 1

@@ -16,6 +16,11 @@ Steps:
    teacher-forced with the same tokens.
 5. The bf16 baseline: the same model in plain PyTorch with bf16 dense weights, timed on prefill
    of the same prompt.
+6. The decode ceiling: the device's copy bandwidth (measured here, read + write bytes of a
+   `copy_` of 1 GiB on a GPU, 256 MiB on the CPU) divided by the bytes one decode step reads
+   (every weight, the embedding rows of the batch's tokens, and the whole KV cache, which the
+   masked attention reads at every step); `decode_fraction_of_ceiling` is batch-1 decode
+   against it.
 
 On the CPU, the kernel candidates take their torch paths unless TRITON_INTERPRET=1 is set
 before the run (which is slow, and meant for tiny checks); `kernel_path` says which ran.
@@ -42,6 +47,42 @@ from kernels.llama_q4k.model import CONFIGS, TORCH_OPS, Transformer, reference_l
 from kernels.llama_q4k.weights import load_gguf, random_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of `dst.copy_(src)`, read and write bytes counted; median of 20 (GPU,
+    CUDA events, 1 GiB) or 5 (CPU, perf_counter, 256 MiB) after warm-up."""
+    size = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.ones(size // 4, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    clock = Clock(device)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20 if device.type == "cuda" else 5):
+        clock.sync()
+        start = clock.now()
+        dst.copy_(src)
+        end = clock.now()
+        clock.sync()
+        times.append(clock.ms(start, end) / 1e3)
+    del src, dst
+    return 2 * size / statistics.median(times)
+
+
+def decode_bytes_per_step(model: torch.nn.Module, batch: int) -> dict[str, int]:
+    """What one decode step reads: every buffer but the embedding table (one row per token)
+    and the KV cache (counted whole: the masked attention reads all of it)."""
+    weights = kv = 0
+    for name, buffer in model.named_buffers():
+        size = buffer.numel() * buffer.element_size()
+        if name.endswith(("kv_cache.k", "kv_cache.v")):
+            kv += size
+        elif name == "tok_embeddings.weight":
+            weights += batch * size // buffer.shape[0]
+        elif buffer.is_floating_point() or buffer.dtype == torch.uint8:
+            weights += size
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     if opts.random_config == "llama3-8b" and device.type != "cuda":
         raise SystemExit("--random-config llama3-8b needs a GPU (--device cuda)")
 
+    copy_bytes_per_s = copy_bandwidth(device)  # before the model takes the device's memory
     if opts.gguf:
         args, weights, types = load_gguf(opts.gguf)
     else:
@@ -118,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     model = Transformer(args, weights, device=device, dtype=dtype)
     model.setup_caches(opts.batch, opts.prompt_len + opts.gen)
+    step_bytes = decode_bytes_per_step(model, opts.batch)
     use_graph = device.type == "cuda" and not opts.no_graph
     decode = DecodeStep(model, opts.batch, use_graph)
 
@@ -149,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     prompt_tokens = opts.batch * opts.prompt_len
     decode_s = steps.sum() / 1e3
+    decode_tps = opts.batch * len(steps) / decode_s if len(steps) else None
+    ceiling_tps = opts.batch * copy_bytes_per_s / step_bytes["total"]
     on_gpu = device.type == "cuda"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     result = {
@@ -171,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "ttft_ms": ttft,
         "prefill_tokens_per_s": prompt_tokens / (ttft / 1e3),
-        "decode_tokens_per_s": opts.batch * len(steps) / decode_s if len(steps) else None,
+        "decode_tokens_per_s": decode_tps,
         "per_token_latency_ms_p50": float(np.percentile(steps, 50)) if len(steps) else None,
         "per_token_latency_ms_p95": float(np.percentile(steps, 95)) if len(steps) else None,
         "peak_device_memory_bytes": memory,
@@ -181,6 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         "top1_agreement": top1,
         "checked_positions": opts.batch * (opts.prompt_len + opts.gen),
         "reference": "fp32 plain PyTorch on the same dequantized weights",
+        "copy_bandwidth_bytes_per_s": copy_bytes_per_s,
+        "decode_step_bytes": step_bytes,
+        "decode_ceiling_tokens_per_s": ceiling_tps,
+        "decode_fraction_of_ceiling": decode_tps / ceiling_tps if decode_tps else None,
         "bf16_prefill_ms": bf16_prefill_ms,
         "bf16_prefill_tokens_per_s": prompt_tokens / (bf16_prefill_ms / 1e3)
         if bf16_prefill_ms is not None
