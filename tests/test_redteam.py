@@ -113,6 +113,16 @@ async def test_phase_detection_is_caught_while_timed(server, workspace):
 
 
 @pytest.mark.anyio
+async def test_partial_work_once_timed_is_caught_while_timed(server, workspace):
+    """A fifth of the output skipped after validation: under a quarter of any one call's
+    probes, so it is the many timed calls together that must catch it."""
+    report = await validate(server, workspace, "cheat_phase_partial.py")
+    assert report["passed"] is True
+    timed = await bench(server, workspace, "cheat_phase_partial.py")
+    assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
+
+
+@pytest.mark.anyio
 async def test_pointer_cache_serves_stale_results_while_timed(server, workspace):
     timed = await bench(server, workspace, "cheat_pointer_cache.py")
     assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
