@@ -281,7 +281,8 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
     g = evidence.geomean
     note = None
     if evidence.timer == "wall_clock":
-        note = "CPU wall-clock timings (no GPU here): they say nothing about GPU speed"
+        note = ("CPU wall-clock timings, one thread per arm (no GPU here): they say nothing about "
+                "GPU speed")
     if any(f.severity == "error" for f in findings):
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
     elif g and g.ci_low > 1 + gate.min_gain:

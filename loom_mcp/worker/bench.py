@@ -59,6 +59,11 @@ def tampered() -> list[str]:
 class Arm:
     def __init__(self, request: dict) -> None:
         self.device = pick_device(request.get("device"))
+        if self.device.type == "cpu":
+            # One thread per arm: a parallel region stalls whenever one of its threads loses
+            # its core, so on a loaded machine the arm whose ops happen to parallelise was timed
+            # hundreds of times slower than the other (seen on a 2-core CI machine).
+            torch.set_num_threads(1)
         module = load_module(request["module"], f"loom_bench_{request['role']}")
         self.model_cls = getattr(module, request["class_name"])
         self.cases_file = request["cases_file"]
