@@ -74,17 +74,6 @@ def summarize(samples: ArrayLike) -> SampleSummary:
     )
 
 
-def relative_stderr(samples: ArrayLike) -> float:
-    """stderr / mean; +inf when it cannot be estimated (n < 2 or mean <= 0)."""
-    x = _as_array(samples)
-    if x.size < 2:
-        return float("inf")
-    mean = float(np.mean(x))
-    if mean <= 0:
-        return float("inf")
-    return float(np.std(x, ddof=1) / np.sqrt(x.size) / mean)
-
-
 def relative_median_stderr(samples: ArrayLike) -> float:
     """Standard error of the median / median, from a robust spread; +inf when not estimable.
 
