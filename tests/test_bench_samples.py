@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from loom_mcp.bench.runner import samples_agree
+from loom_mcp.bench.runner import samples_agree, shape_disagrees
 
 torch = pytest.importorskip("torch")
 
@@ -48,3 +48,11 @@ def test_missing_nan_and_shape_cases():
     assert samples_agree([float("nan"), 1.0, 2.0, 3.0], [float("nan"), 1.0, 2.0, 3.0])
     assert not samples_agree([float("inf")] * 4, [1.0] * 4)
     assert not samples_agree([0.0] * 8, [1.0] * 8)  # an unwritten (zeroed) output
+
+
+def test_a_shape_disagrees_past_a_tenth_of_all_its_samples():
+    # A tenth of the work skipped while timed: under a quarter in almost every single call of
+    # 32 probes, but the sum over a shape's calls is the rule's business.
+    assert shape_disagrees(off=65, total=32 * 20)
+    assert not shape_disagrees(off=64, total=32 * 20)
+    assert not shape_disagrees(off=0, total=0)

@@ -94,11 +94,11 @@ async def test_extra_stream_is_caught_on_gpu(server, workspace):
     assert checks & {"validation.late_write", "static.extra_stream"}
 
 
-async def bench(server, workspace: Path, candidate: str) -> dict:
+async def bench(server, workspace: Path, candidate: str, shape: str = "rows5_d37") -> dict:
     async with Client(server) as client:
         result = await client.call_tool("benchmark", {
             "task": str(workspace / "redteam" / "task_rmsnorm.py"),
-            "candidate": str(workspace / "redteam" / candidate), "shapes": ["rows5_d37"]})
+            "candidate": str(workspace / "redteam" / candidate), "shapes": [shape]})
     assert result.is_error is False, result.content
     return result.structured_content
 
@@ -113,12 +113,14 @@ async def test_phase_detection_is_caught_while_timed(server, workspace):
 
 
 @pytest.mark.anyio
-async def test_partial_work_once_timed_is_caught_while_timed(server, workspace):
-    """A fifth of the output skipped after validation: under a quarter of any one call's
-    probes, so it is the many timed calls together that must catch it."""
+@pytest.mark.parametrize("shape", ["rows5_d37", "rows8_d64"])
+async def test_partial_work_once_timed_is_caught_while_timed(server, workspace, shape):
+    """The last row skipped after validation: a fifth (5 rows) or an eighth (8 rows) of the
+    output, under a quarter of most single calls' probes, so it is the shape's calls together
+    that must catch it."""
     report = await validate(server, workspace, "cheat_phase_partial.py")
     assert report["passed"] is True
-    timed = await bench(server, workspace, "cheat_phase_partial.py")
+    timed = await bench(server, workspace, "cheat_phase_partial.py", shape)
     assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
 
 

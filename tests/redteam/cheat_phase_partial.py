@@ -1,7 +1,7 @@
 """Exploit class: phase detection plus partial work. Honest while being validated (the first
 calls of a process), then leaves the last row of every output unnormalised once it believes it
-is being timed: a fifth of the work skipped on 5-row inputs, a minority of any one call's
-sampled positions."""
+is being timed: a fifth of the work on 5-row inputs, an eighth on 8-row ones, which is under a
+quarter of most single calls' sampled positions."""
 
 import torch
 
