@@ -51,3 +51,44 @@ def test_compare_gives_the_same_verdicts_whether_references_are_computed_ahead_o
     assert passed == [True, False, True, True]
     assert all(case["inputs_reproducible"] for case in result["cases"])
     assert result["cases"][1]["outputs"][0]["mismatched"] > 0
+
+
+OOM_ONCE_TASK = '''
+import torch
+
+CALLS = [0]
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        CALLS[0] += 1
+        if CALLS[0] == 1:  # the device is full while the candidate runs beside us
+            raise torch.OutOfMemoryError("out of memory (first call)")
+        return x * 2
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_running_out_of_memory_ahead_of_the_candidate_is_not_a_reference_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_NONCE", "7")
+    task = tmp_path / "task_oom_once.py"
+    task.write_text(OOM_ONCE_TASK)
+    cases_file = tmp_path / "cases.pt"
+    plan = reference.prepare({"task": str(task), "seeds": 2, "shapes": None, "cases_file": str(cases_file)})
+    cases = torch.load(cases_file, weights_only=True)["cases"]
+    outputs_file = tmp_path / "outputs.pt"
+    torch.save({"outputs": [[case["inputs"][0] * 2] for case in cases]}, outputs_file)
+    result = reference.compare({
+        "task": str(task), "outputs_file": str(outputs_file), "device": "cpu",
+        "tolerances": {"float32": {"atol": 1e-4, "rtol": 1e-4}}, "ahead_host_bytes": 1 << 30,
+        "cases": plan["cases"], "digests": plan["digests"]})
+    assert [case["error"] for case in result["cases"]] == [None, None]
+    assert all(o["passed"] for case in result["cases"] for o in case["outputs"])

@@ -257,9 +257,12 @@ class _ReferenceStore:
         return [t.cpu() for t in tensors]
 
 
-def _reference_case(task, request: dict, index: int, device: torch.device) -> dict[str, Any]:
+def _reference_case(task, request: dict, index: int, device: torch.device,
+                    ahead: bool = False) -> dict[str, Any]:
     """Regenerate one case's inputs from its seed, check them against prepare's digest, and
-    compute the reference outputs (native and float64)."""
+    compute the reference outputs (native and float64). Ahead of the candidate's exit, running
+    out of device memory is not the reference's failure: the candidate holds memory too, so
+    the caller stops computing ahead and does this case again afterwards."""
     case = request["cases"][index]
     inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
     entry: dict[str, Any] = {"outputs": [], "inputs_reproducible": True, "note": None,
@@ -271,6 +274,10 @@ def _reference_case(task, request: dict, index: int, device: torch.device) -> di
         native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
         entry["note"] = note
         entry["degenerate"] = degenerate(native)
+    except torch.OutOfMemoryError:
+        if ahead:
+            raise
+        entry["error"] = "reference failed: out of device memory"
     except Exception as exc:
         entry["error"] = "reference failed: " + user_traceback(exc, request["task"])
     return {"entry": entry, "native": native, "exact": exact}
@@ -294,7 +301,11 @@ def compare(request: dict) -> dict:
     store = _ReferenceStore(device, request.get("ahead_host_bytes"))
     ahead: list[dict[str, Any]] = []
     while len(ahead) < len(request["cases"]) and store.has_room():
-        ref = _reference_case(task, request, len(ahead), device)
+        try:
+            ref = _reference_case(task, request, len(ahead), device, ahead=True)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
         ahead.append({**ref, "native": store.keep(ref["native"]), "exact": store.keep(ref["exact"])})
 
     # Once the candidate has exited: its outputs against the references.
