@@ -124,7 +124,7 @@ class Arm:
 
     # -- timing
     def _flush(self) -> None:
-        """Evict the L2 by reading a buffer twice its size. Reading, not writing: a write flush
+        """Evict the L2 by reading a buffer at least twice its size. Reading, not writing: a write flush
         leaves the L2 full of dirty lines that the timed kernel then pays to write back. On an
         H200 a zero_() flush timed a 768 MB Triton add at 188.7 us, a read flush at 183.5 us,
         and ncu (which invalidates clean) at 182.1 us."""
