@@ -172,13 +172,19 @@ async def main() -> int:
     from loom_mcp.judge_models import CompileEvidence
     from loom_mcp.server import open_services
 
+    results: dict = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # After every measurement: a run cut off by its time limit still leaves what it measured.
+        (args.out / "bench_judge.json").write_text(json.dumps(results, indent=2))
+
     work = Path(tempfile.mkdtemp(prefix="loom-bench-"))
     if args.max_time_s:
         (work / "home").mkdir(parents=True, exist_ok=True)
         (work / "home" / "loom.toml").write_text(f"[gate]\nmax_time_s = {args.max_time_s}\n")
     config = load_config(work / "home", environ={"LOOM_ALLOWED_ROOTS": f"{work}{os.pathsep}{REPO}"})
     services = open_services(config)
-    results: dict = {}
 
     async def bench(task: Path, cand: Path, baseline: Path | None = None, shapes=None):
         result, evidence, findings, _ = await judge.run_benchmark(
@@ -199,6 +205,7 @@ async def main() -> int:
                          "pairs": result.shapes[0].pairs, "graph": result.graph_replay})
             print(f"fidelity {name}: ours {ours:.2f} us, ncu {ncu} us ({kernel})", flush=True)
         results["fidelity"] = rows
+        save()
 
     if "repeat" in only:
         rows = []
@@ -214,6 +221,7 @@ async def main() -> int:
             rows.append({"kernel": name, "medians_us": medians, "cv_pct": cv})
             print(f"repeat {name}: medians {[f'{m:.2f}' for m in medians]} us, CV {cv:.2f} %", flush=True)
         results["repeat"] = rows
+        save()
 
     if "power" in only:
         task = write(work / "five_pct_task.py", FIVE_PCT_TASK)
@@ -234,12 +242,14 @@ async def main() -> int:
                 verdicts[label].append(verdict.verdict)
                 reasons[label].append(verdict.reason_codes)
                 speedups[label].append(evidence.geomean.estimate)
+            results["power"] = {k: {"verdicts": v, "accepts": v.count("accept"),
+                                    "speedups": speedups[k], "reason_codes": reasons[k]}
+                                for k, v in verdicts.items()}
+            save()
             print(f"power try {i + 1}: A/A {verdicts['a_vs_a'][-1]} ({speedups['a_vs_a'][-1]:.4f}) "
                   f"{reasons['a_vs_a'][-1]}, 5% {verdicts['five_pct_less'][-1]} "
                   f"({speedups['five_pct_less'][-1]:.4f}) {reasons['five_pct_less'][-1]}", flush=True)
-        results["power"] = {k: {"verdicts": v, "accepts": v.count("accept"), "speedups": speedups[k],
-                                "reason_codes": reasons[k]}
-                            for k, v in verdicts.items()}
+
 
     if "turnaround" in only:
         task = REPO / "kernels" / "rmsnorm" / "task.py"
@@ -266,9 +276,9 @@ async def main() -> int:
             print(f"turnaround {attempt}: compile {t1 - t0:.1f} s, validate {t2 - t1:.1f} s, "
                   f"benchmark {t3 - t2:.1f} s, total {t3 - t0:.1f} s", flush=True)
         results["turnaround"] = runs
+        save()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_judge.json").write_text(json.dumps(results, indent=2))
+    save()
     print(json.dumps(results, indent=1)[:6000])
     return 0
 
