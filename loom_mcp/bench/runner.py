@@ -344,11 +344,12 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         await say(f"{name}: {pair} pairs done")
 
     proof, note, applicable = None, "proof of execution needs a GPU profiler (CPU run)", True
+    declared = declared_kernels(candidate.read_text())
     proof_started = time.monotonic()
-    listing = await arms["candidate"].ask({"op": "kernels"}, timeout_s)
+    # A candidate with no kernels of its own has nothing to prove: no profiler start-up for it.
+    listing = await arms["candidate"].ask({"op": "kernels", "profile": bool(declared)}, timeout_s)
     log.info("benchmark: proof-of-execution trace %.2f s", time.monotonic() - proof_started)
     if listing.get("kernels") is not None:
-        declared = declared_kernels(candidate.read_text())
         seen = listing["kernels"]
         if not declared:
             proof, note, applicable = None, "the candidate defines no kernels of its own; nothing to prove", False
