@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loom_mcp.worker import reference
+from loom_mcp.worker.harness import load_module
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = str(REPO / "kernels" / "rmsnorm" / "task.py")
@@ -19,7 +20,7 @@ SHAPES = ["decode_t1_h4096", "decode_t8_h4000_fp32"]
 
 def _outputs(cases_file: Path, corrupt_index: int | None) -> list[list[torch.Tensor]]:
     """What an honest candidate returns (the task's own Model), one case made wrong."""
-    task = reference.load_module(TASK, "rmsnorm_task_for_test")
+    task = load_module(TASK, "rmsnorm_task_for_test")
     outputs = []
     for index, case in enumerate(torch.load(cases_file, weights_only=True)["cases"]):
         model = task.Model(*case["init_inputs"])

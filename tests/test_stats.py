@@ -12,12 +12,11 @@ from loom_mcp.bench.stats import (
     geomean,
     geomean_ci,
     iqr_keep_mask,
+    paired_stop_reason,
     physical_floor,
     ratio_ci,
     relative_median_stderr,
     roofline_fraction,
-    should_stop,
-    should_stop_paired,
     stop_reason,
     summarize,
 )
@@ -104,9 +103,9 @@ def test_no_stop_before_min_samples_or_min_time():
 def test_noisy_samples_keep_going_until_precise():
     rng = np.random.default_rng(0)
     noisy = 1.0 + rng.normal(0, 0.1, 20)  # rel. stderr ~2 %
-    assert not should_stop(noisy, 0.005, 10, 0.5, 10.0, elapsed=2.0)
+    assert stop_reason(noisy, 0.005, 10, 0.5, 10.0, elapsed=2.0) is None
     more = 1.0 + rng.normal(0, 0.1, 2000)  # rel. stderr ~0.2 %
-    assert should_stop(more, 0.005, 10, 0.5, 10.0, elapsed=2.0)
+    assert stop_reason(more, 0.005, 10, 0.5, 10.0, elapsed=2.0) == "precise"
 
 
 def test_paired_stop_needs_both_arms():
@@ -114,9 +113,9 @@ def test_paired_stop_needs_both_arms():
     steady = [1.0] * 20
     rng = np.random.default_rng(1)
     noisy = list(1.0 + rng.normal(0, 0.2, 20))
-    assert should_stop_paired(steady, steady, cfg, elapsed=1.0)
-    assert not should_stop_paired(steady, noisy, cfg, elapsed=1.0)
-    assert should_stop_paired(steady, noisy, cfg, elapsed=cfg.max_time_s)
+    assert paired_stop_reason(steady, steady, cfg, elapsed=1.0) == "precise"
+    assert paired_stop_reason(steady, noisy, cfg, elapsed=1.0) is None
+    assert paired_stop_reason(steady, noisy, cfg, elapsed=cfg.max_time_s) == "time_cap"
 
 
 # ---------------------------------------------------------------- filtering

@@ -35,7 +35,7 @@ from loom_mcp.sandbox import JobSpec, code_cache, run_job
 Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.bench")
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
-SAMPLE_RTOL = 2e-2  # see samples_agree
+SAMPLE_RTOL = 2e-2  # see samples_disagreeing
 SAMPLE_SCALE_TOL = 1e-2
 
 

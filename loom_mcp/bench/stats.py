@@ -118,26 +118,14 @@ def stop_reason(
     """
     if elapsed >= max_time_s:
         return "time_cap"
+    if elapsed < min_time_s:  # checked first: this runs after every pair
+        return None
     x = _as_array(samples)
-    if x.size < max(min_samples, 2) or elapsed < min_time_s:
+    if x.size < max(min_samples, 2):
         return None
     if relative_median_stderr(x) < stderr_target:
         return "precise"
     return None
-
-
-def should_stop(
-    samples: ArrayLike,
-    stderr_target: float,
-    min_samples: int,
-    min_time_s: float,
-    max_time_s: float,
-    elapsed: float,
-) -> bool:
-    return (
-        stop_reason(samples, stderr_target, min_samples, min_time_s, max_time_s, elapsed)
-        is not None
-    )
 
 
 def paired_stop_reason(
@@ -152,15 +140,6 @@ def paired_stop_reason(
     if None in reasons:
         return None
     return "time_cap" if "time_cap" in reasons else "precise"
-
-
-def should_stop_paired(
-    baseline: ArrayLike,
-    candidate: ArrayLike,
-    config: GateConfig,
-    elapsed: float,
-) -> bool:
-    return paired_stop_reason(baseline, candidate, config, elapsed) is not None
 
 
 # ---------------------------------------------------------------- filtering
