@@ -8,6 +8,7 @@
 # it got):
 #   verify      GPU-only tests and the demo: the read-only job file system's first GPU run
 #   power       bench_judge's power test, $TRIES tries (default 10)
+#   startup     where a worker process's start-up goes (bare, import torch, device init, sandbox)
 #   turnaround  compile + validate + benchmark of a Triton candidate over 6 shapes, cold and warm
 #   fidelity    our medians against ncu's
 #   repeat      CV of the median over 5 benchmark calls, a >= 20 us and a <= 5 us kernel
@@ -29,6 +30,8 @@ case "$phase" in
   power)
     timeout "${POWER_S:-560}" python3 tools/bench_judge.py --only power --tries "${TRIES:-10}" \
       --out "$out" 2> "$out/log.txt" | grep -v "^{" | tail -24 ;;
+  startup)
+    timeout 200 python3 tools/probe_startup.py --reps 3 2>&1 | grep -v Warn | tee "$out/startup.txt" ;;
   turnaround|fidelity|repeat)
     timeout 400 python3 tools/bench_judge.py --only "$phase" --out "$out" 2> "$out/log.txt" | grep -v "^ \|^{\|^}" | tail -20
     grep -v Warn "$out/log.txt" | tail -40 ;;

@@ -30,7 +30,7 @@ from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, run_job
+from loom_mcp.sandbox import JobSpec, code_cache, run_job, warm
 
 Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.bench")
@@ -140,7 +140,12 @@ async def benchmark_candidate(
     job_dir.mkdir(parents=True, exist_ok=True)
     timer_device = device
     device, env, visible = job_placement(device)
-    cases_file = job_dir / "prep" / "bench_cases.pt"
+    # Trusted input preparation in a warm worker when one is idle: its start-up was seconds on the
+    # critical path. No new one is started until the timing is over (it would compete for cores).
+    prep_template = JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
+                            job_dir=job_dir / "prep", env=env, visible_devices=visible, timeout_s=timeout_s)
+    prep_worker = await warm.take(prep_template, job_dir.parent / "warm", refill=False)
+    cases_file = prep_worker.job_dir / "bench_cases.pt"
     token = secrets.token_hex(16)
     # AF_UNIX paths are limited to ~107 bytes; a deep LOOM_HOME would overflow it, so the socket
     # lives in a short private directory of its own.
@@ -169,7 +174,8 @@ async def benchmark_candidate(
                     timeout_s=timeout_s,
                     request={"role": role, "module": str(module), "class_name": class_name,
                              "cases_file": str(cases_file), "socket": str(sock_path), "token": token,
-                             "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S},
+                             "device": device, "flush_bytes": flush_bytes, "graph_below_s": GRAPH_BELOW_S,
+                             "rotate_bytes": flush_bytes, "max_sets": 8},
                 ))
 
             prepared = anyio.Event()
@@ -177,14 +183,11 @@ async def benchmark_candidate(
 
             async def prepare() -> None:
                 # Runs while the arms start: their imports and device setup overlap it.
-                prep_box["job"] = await run_job(JobSpec(
-                    argv=[sys.executable, "-m", "loom_mcp.worker.reference"], job_dir=job_dir / "prep",
-                    env={**env, "LOOM_NONCE": str(secrets.randbits(62))}, visible_devices=visible,
-                    timeout_s=timeout_s,
-                    request={"mode": "prepare_bench", "task": str(task), "shapes": shapes,
-                             "cases_file": str(cases_file),
-                             "rotate_bytes": flush_bytes, "max_sets": 8},
-                ), on_progress=progress)
+                prep_box["job"] = await warm.run_warm(
+                    prep_worker, {"mode": "prepare_bench", "task": str(task), "shapes": shapes,
+                                  "cases_file": str(cases_file), "max_sets": 2},
+                    secret_env={"LOOM_NONCE": str(secrets.randbits(62))}, timeout_s=timeout_s,
+                    on_progress=progress)
                 prepared.set()
 
             await say("preparing rotated input sets; starting both arms")
@@ -247,6 +250,10 @@ async def benchmark_candidate(
 
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+        if prep_worker.alive() and "job" not in prep_box:
+            prep_worker.discard()  # never given its job (an arm failed first)
+    if device != "cpu":  # on a CPU its start-up would compete with whatever is timed next
+        await anyio.to_thread.run_sync(warm.prewarm, prep_template, job_dir.parent / "warm")
     shape_samples = [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 
 from loom_mcp.errors import ErrorCode, LoomError
@@ -97,13 +97,12 @@ def _device_env(devices: list[int]) -> dict[str, str]:
     }
 
 
-def _prepare(spec: JobSpec, plan: dict[str, Any]) -> tuple[Path, Path | None, str | None]:
-    """Blocking setup (runs in a thread): job dir, request file, pids cgroup."""
+def _prepare(spec: JobSpec, plan: dict[str, Any]) -> tuple[Path, Path, str | None]:
+    """Blocking setup: job dir, request file (if the spec has a request yet), pids cgroup."""
     job_dir = spec.job_dir.expanduser().resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
-    request_path = None
+    request_path = job_dir / "request.json"
     if spec.request is not None:
-        request_path = job_dir / "request.json"
         request_path.write_text(json.dumps(spec.request))
     cgroup = None
     if plan["limit_by"] == "cgroup":
@@ -111,17 +110,7 @@ def _prepare(spec: JobSpec, plan: dict[str, Any]) -> tuple[Path, Path | None, st
     return job_dir, request_path, cgroup
 
 
-async def _pump_stream(stream: anyio.abc.ByteReceiveStream | None, sink: _Tail) -> None:
-    if stream is None:
-        return
-    try:
-        async for chunk in stream:
-            sink.add(chunk)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
-
-
-async def _pump_fd(fd: int, sink: _Collect) -> None:
+async def _pump_fd(fd: int, sink: _Tail | _Collect) -> None:
     while True:
         try:
             chunk = os.read(fd, _CHUNK)
@@ -141,14 +130,6 @@ async def _progress(callback: ProgressCallback, start: float) -> None:
         except Exception:
             # A failing progress sink must not take the job down with it.
             log.exception("progress callback failed")
-
-
-async def _end_tree(process: anyio.abc.Process, cgroup: str | None) -> None:
-    """SIGKILL the launcher's whole tree and reap the launcher."""
-    if process.returncode is None:
-        await anyio.to_thread.run_sync(isolation.kill_tree, process.pid, cgroup)
-    with anyio.move_on_after(_KILL_WAIT_S):
-        await process.wait()
 
 
 def _parse_meta(raw: bytes) -> dict[str, Any]:
@@ -186,20 +167,63 @@ def _signal_name(number: int) -> str:
         return f"SIG{number}"
 
 
-async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) -> JobResult:
-    """Run `spec.argv` in the sandbox. Crashes, hangs and timeouts come back as a JobResult.
+@dataclass
+class Launched:
+    """A started launcher, not yet supervised. Plain file descriptors and a Popen, so it belongs
+    to no event loop: a warm worker spawned in one call can be supervised in a later one."""
 
-    If the calling scope is cancelled, the worker's whole process tree is killed and reaped
-    before the cancellation propagates.
+    spec: JobSpec
+    process: subprocess.Popen
+    job_dir: Path
+    cgroup: str | None
+    result_r: int
+    meta_r: int
+    request_path: Path
+    spawned: float = field(default_factory=time.monotonic)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def discard(self) -> None:
+        """End an unsupervised launcher (a warm worker nobody will use) and release its fds."""
+        if self.process.poll() is None:
+            isolation.kill_tree(self.process.pid, self.cgroup)
+        try:
+            self.process.wait(_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self._close()
+        if self.cgroup is not None:
+            isolation.remove_job_cgroup(self.cgroup)
+
+    def _close(self) -> None:
+        for fd in (self.result_r, self.meta_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
+    """Start `spec.argv` under the sandbox launcher and return at once (blocking: fork and exec).
+
+    With `stdin_pipe` the worker gets a pipe on stdin (a warm worker reads its job from it);
+    otherwise /dev/null. The request file, if any, is written now.
     """
-    caps = await anyio.to_thread.run_sync(isolation.capabilities)
+    caps = isolation.capabilities()
     plan = isolation.plan(caps, allow_network=spec.allow_network)
-    job_dir, request_path, cgroup = await anyio.to_thread.run_sync(_prepare, spec, plan)
+    job_dir, request_path, cgroup = _prepare(spec, plan)
 
     env = worker_env(spec.env)
     env.update({"TMPDIR": str(job_dir), "TMP": str(job_dir), "TEMP": str(job_dir)})
     env["LOOM_JOB_DIR"] = str(job_dir)
-    if request_path is not None:
+    if spec.request is not None or stdin_pipe:  # a warm worker's request is written at dispatch
         env["LOOM_REQUEST"] = str(request_path)
     if spec.visible_devices is not None:
         env.update(_device_env(spec.visible_devices))
@@ -229,78 +253,105 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
         "writable": writable,
     }
     argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, json.dumps(config), *spec.argv]
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=job_dir,
+            env=env,
+            start_new_session=True,
+            pass_fds=(result_w, meta_w),
+        )
+    except OSError as exc:
+        for fd in (result_r, meta_r):
+            os.close(fd)
+        if cgroup is not None:
+            isolation.remove_job_cgroup(cgroup)
+        raise LoomError(ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}") from exc
+    finally:
+        # Only the child keeps the write ends: EOF then means "every writer is gone".
+        os.close(result_w)
+        os.close(meta_w)
+    for fd in (result_r, meta_r, process.stdout.fileno(), process.stderr.fileno()):
+        os.set_blocking(fd, False)
+    return Launched(spec=spec, process=process, job_dir=job_dir, cgroup=cgroup, result_r=result_r,
+                    meta_r=meta_r, request_path=request_path)
 
+
+async def _wait_exit(process: subprocess.Popen) -> None:
+    """Until the process has exited (and is reaped), without a thread or a loop-bound watcher."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel, or already reaped): poll
+        while process.poll() is None:
+            await anyio.sleep(0.01)
+        return
+    try:
+        if process.poll() is None:
+            await anyio.wait_readable(pidfd)
+        process.wait()
+    finally:
+        os.close(pidfd)
+
+
+async def _end_tree(launched: Launched) -> None:
+    """SIGKILL the launcher's whole tree and reap the launcher."""
+    if launched.process.poll() is None:
+        await anyio.to_thread.run_sync(isolation.kill_tree, launched.process.pid, launched.cgroup)
+    with anyio.move_on_after(_KILL_WAIT_S):
+        await _wait_exit(launched.process)
+
+
+async def supervise(launched: Launched, on_progress: ProgressCallback | None = None) -> JobResult:
+    """Pump a launched job's pipes until it exits or `spec.timeout_s` passes (counted from now),
+    and turn what happened into a JobResult. If the calling scope is cancelled, the worker's
+    whole process tree is killed and reaped before the cancellation propagates."""
+    spec, process = launched.spec, launched.process
     out, err = _Tail(spec.max_output_bytes), _Tail(spec.max_output_bytes)
     result_sink, meta_sink = _Collect(MAX_RESULT_BYTES), _Collect(1 << 16)
     timed_out = False
-    process: anyio.abc.Process | None = None
     start = time.monotonic()
     try:
-        try:
-            process = await anyio.open_process(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=job_dir,
-                env=env,
-                start_new_session=True,
-                pass_fds=(result_w, meta_w),
-            )
-        except OSError as exc:
-            raise LoomError(
-                ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}"
-            ) from exc
-        finally:
-            # Only the child keeps the write ends: EOF then means "every writer is gone".
-            os.close(result_w)
-            os.close(meta_w)
-        os.set_blocking(result_r, False)
-        os.set_blocking(meta_r, False)
-
         async with anyio.create_task_group() as tg:
             pumps_left = 4
             drained = anyio.Event()
 
-            async def pump(func: Callable[..., Awaitable[None]], *args: Any) -> None:
+            async def pump(fd: int, sink: _Tail | _Collect) -> None:
                 nonlocal pumps_left
                 try:
-                    await func(*args)
+                    await _pump_fd(fd, sink)
                 finally:
                     pumps_left -= 1
                     if pumps_left == 0:
                         drained.set()
 
-            tg.start_soon(pump, _pump_stream, process.stdout, out)
-            tg.start_soon(pump, _pump_stream, process.stderr, err)
-            tg.start_soon(pump, _pump_fd, result_r, result_sink)
-            tg.start_soon(pump, _pump_fd, meta_r, meta_sink)
+            tg.start_soon(pump, process.stdout.fileno(), out)
+            tg.start_soon(pump, process.stderr.fileno(), err)
+            tg.start_soon(pump, launched.result_r, result_sink)
+            tg.start_soon(pump, launched.meta_r, meta_sink)
             if on_progress is not None:
                 tg.start_soon(_progress, on_progress, start)
 
             with anyio.move_on_after(spec.timeout_s) as deadline:
-                await process.wait()
+                await _wait_exit(process)
             if deadline.cancelled_caught:
                 timed_out = True
-                await _end_tree(process, cgroup)
+                await _end_tree(launched)
             with anyio.move_on_after(_DRAIN_S):
                 await drained.wait()
             tg.cancel_scope.cancel()
     except BaseException:
         # Cancellation (or any failure) must not leave the worker running on the device.
-        if process is not None:
-            with anyio.CancelScope(shield=True):
-                await _end_tree(process, cgroup)
+        with anyio.CancelScope(shield=True):
+            await _end_tree(launched)
         raise
     finally:
-        os.close(result_r)
-        os.close(meta_r)
-        with anyio.CancelScope(shield=True):
-            if process is not None:
-                with anyio.move_on_after(_KILL_WAIT_S):
-                    await process.aclose()
-            if cgroup is not None:
-                await anyio.to_thread.run_sync(isolation.remove_job_cgroup, cgroup)
+        launched._close()
+        if launched.cgroup is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(isolation.remove_job_cgroup, launched.cgroup)
     wall_s = time.monotonic() - start
 
     rc = process.returncode
@@ -327,3 +378,13 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
         network_isolated=bool(applied.get("net")),
         readonly_fs=bool(applied.get("readonly_fs")),
     )
+
+
+async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) -> JobResult:
+    """Run `spec.argv` in the sandbox. Crashes, hangs and timeouts come back as a JobResult.
+
+    If the calling scope is cancelled, the worker's whole process tree is killed and reaped
+    before the cancellation propagates.
+    """
+    launched = await anyio.to_thread.run_sync(spawn, spec)
+    return await supervise(launched, on_progress)

@@ -1,15 +1,14 @@
-"""run_validation: three sandboxed processes, then a verdict on correctness built in the server.
+"""run_validation: two sandboxed processes, then a verdict on correctness built in the server.
 
-1. `reference.prepare` (trusted task code): plans shape x seed x input-kind cases from a secret
-   nonce and writes the inputs. No reference output exists yet.
-2. `candidate` (untrusted): a fresh process that never imports the task; runs each case twice,
-   saves its outputs.
-3. `reference.compare` (trusted): regenerates the inputs from their seeds and computes the
-   reference (native and float64) while the candidate runs, then compares once it has exited.
-All three start together so imports and device setup overlap; steps 2 and 3 wait for a go-file
-signed with a token only they hold (in their environment), published when the step before them
-has exited. The seed nonce travels in the environment too: files under the server's home are
-readable by a candidate running as the same user, a process's environment is not.
+1. `reference` (trusted task code, a warm worker when one is idle): plans shape x seed x
+   input-kind cases from a secret nonce, writes the inputs and signals the candidate to start;
+   then computes the reference (native and float64) while the candidate runs, and compares once
+   the server signals that the candidate's process has exited.
+2. `candidate` (untrusted): a fresh process, started at once so its imports overlap the inputs
+   step, that never imports the task; runs each case twice and saves its outputs.
+Go-files are signed with a token only the two workers and the server hold (in their
+environment). The seed nonce travels the same way: files under the server's home are readable
+by a candidate running as the same user, a process's environment is not.
 The static checks read the candidate's source without running it.
 """
 
@@ -27,8 +26,9 @@ import anyio
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobResult, JobSpec, code_cache, run_job
+from loom_mcp.sandbox import JobResult, JobSpec, code_cache, run_job, warm
 from loom_mcp.validate.static_checks import check_candidate_source
+from loom_mcp.worker.protocol import publish_go
 
 Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.validate")
@@ -64,58 +64,51 @@ async def validate_candidate(
     device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
     tol_table.update(tolerances or {})
-    cases_file = job_dir / "prep" / "cases.pt"
     outputs_file = job_dir / "cand" / "outputs.pt"
     cand_cache = code_cache(job_dir, candidate)
 
-    # All three processes start now, so their imports and device setup overlap; each one past the
-    # first waits for a signed go-file that is published only when the previous step has exited.
     token = secrets.token_hex(32)
-    nonce = str(secrets.randbits(62))
     signals = job_dir / "signals"
     signals.mkdir(exist_ok=True)
-    specs = {
-        "prep": JobSpec(
-            argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "prep",
-            env={**env, "LOOM_NONCE": nonce}, visible_devices=visible, timeout_s=timeout_s,
-            request={"mode": "prepare", "task": str(task), "seeds": seeds, "shapes": shapes,
-                     "cases_file": str(cases_file), "device": device}),
-        "cand": JobSpec(
-            argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
-            env={**env, "LOOM_GO_SIGNER": token, "TRITON_CACHE_DIR": str(cand_cache)},
-            writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
-            request={"candidate": str(candidate), "cases_file": str(cases_file),
-                     "outputs_file": str(outputs_file), "device": device,
-                     "go_file": str(signals / "cand.go")}),
-        "comp": JobSpec(
-            argv=worker_argv("loom_mcp.worker.reference"), job_dir=job_dir / "ref",
-            env={**env, "LOOM_GO_SIGNER": token}, visible_devices=visible, timeout_s=timeout_s,
-            request={"mode": "compare", "task": str(task), "outputs_file": str(outputs_file),
-                     "device": device, "tolerances": tol_table, "plan_file": str(signals / "comp.plan"),
-                     "go_file": str(signals / "comp.go")}),
-    }
-    jobs = StepJobs(specs, progress)
+    reference = await warm.take(
+        JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
+                env=env, visible_devices=visible, timeout_s=timeout_s),
+        job_dir.parent / "warm")
+    # Written by the reference worker, so in its own directory (the only one it may write).
+    cases_file, cand_go = reference.job_dir / "cases.pt", reference.job_dir / "cand.go"
+    ref_request = {"mode": "validate", "task": str(task), "seeds": seeds, "shapes": shapes,
+                   "cases_file": str(cases_file), "device": device, "tolerances": tol_table,
+                   "outputs_file": str(outputs_file), "cand_go_file": str(cand_go),
+                   "go_file": str(signals / "ref.go")}
+    cand_spec = JobSpec(
+        argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
+        env={**env, "LOOM_GO_SIGNER": token, "TRITON_CACHE_DIR": str(cand_cache)},
+        writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
+        request={"candidate": str(candidate), "cases_file": str(cases_file),
+                 "outputs_file": str(outputs_file), "device": device,
+                 "go_file": str(cand_go)})
+    jobs = StepJobs({
+        # Progress from the reference: it runs from the first moment to the last.
+        "ref": lambda: warm.run_warm(reference, ref_request, timeout_s=timeout_s, on_progress=progress,
+                                     secret_env={"LOOM_NONCE": str(secrets.randbits(62)),
+                                                 "LOOM_GO_SIGNER": token}),
+        "cand": lambda: run_job(cand_spec),
+    })
 
-    async def steps() -> ValidationEvidence | tuple[list[dict], dict, JobResult]:
-        await say("preparing inputs")
-        prep = await jobs.result("prep")
-        if not prep.ok or not prep.result or prep.result.get("error"):
-            detail = (prep.result or {}).get("error") or _job_failure("task", prep)
-            if "unknown shape" in detail:
-                raise LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0].removeprefix("ValueError: "))
-            raise LoomError(ErrorCode.BAD_INPUT, f"the task could not prepare inputs: {detail}")
-        planned: list[dict] = prep.result["cases"]
-        log.info("validation %s: prepare %.2f s (worker %.2f s)", validation_id, prep.wall_s,
-                 prep.result.get("seconds") or 0.0)
+    def reference_failure(ref: JobResult) -> LoomError:
+        detail = (ref.result or {}).get("error") or _job_failure("reference", ref)
+        if "unknown shape" in detail:
+            return LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0].removeprefix("ValueError: "))
+        return LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
 
-        publish_go(signals / "cand.go", {}, token)
-        # The reference step computes its outputs while the candidate runs (another process: the
-        # candidate still runs first in its own); it compares once the candidate has exited.
-        publish_go(signals / "comp.plan", {"cases": planned, "digests": prep.result["digests"]}, token)
-        await say(f"running the candidate on {len(planned)} cases")
-        cand = await jobs.result("cand")
+    async def steps() -> ValidationEvidence | tuple[JobResult, dict]:
+        await say("preparing inputs; the candidate runs once they are written")
+        # The reference cannot finish before the candidate has: ending first means it failed.
+        if await jobs.first_done("ref", "cand") == "ref":
+            raise reference_failure(jobs.results["ref"])
+        cand = jobs.results["cand"]
         cand_result = cand.result if cand.ok and cand.result else None
-        log.info("validation %s: candidate %.2f s (worker %.2f s)", validation_id, cand.wall_s,
+        log.info("validation %s: candidate done %.2f s (worker %.2f s)", validation_id, cand.wall_s,
                  (cand_result or {}).get("seconds") or 0.0)
         if cand_result is None:
             findings.append(Finding(check="validation.crash", severity="error",
@@ -126,13 +119,12 @@ async def validate_candidate(
         if cand_result is None or cand_result.get("load_error") or not outputs_file.exists():
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
-        publish_go(signals / "comp.go", {}, token)
-        await say("computing the reference and comparing")
-        comp = await jobs.result("comp")
-        if not comp.ok or not comp.result or comp.result.get("error"):
-            detail = (comp.result or {}).get("error") or _job_failure("reference", comp)
-            raise LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
-        return planned, cand_result, comp
+        publish_go(str(signals / "ref.go"), {}, token)
+        await say("comparing with the reference")
+        ref = await jobs.result("ref")
+        if not ref.ok or not ref.result or ref.result.get("error"):
+            raise reference_failure(ref)
+        return ref, cand_result
 
     outcome: dict[str, Any] = {}
     async with anyio.create_task_group() as tg:
@@ -147,10 +139,10 @@ async def validate_candidate(
         raise outcome["error"]
     if isinstance(outcome["value"], ValidationEvidence):
         return outcome["value"]
-    planned, cand_result, comp = outcome["value"]
-    log.info("validation %s: compare %.2f s (worker %.2f s)", validation_id, comp.wall_s,
-             comp.result.get("seconds") or 0.0)
-    cases = build_cases(planned, cand_result["cases"], comp.result["cases"], findings)
+    ref, cand_result = outcome["value"]
+    log.info("validation %s: reference done %.2f s (inputs written after %.2f s of work)",
+             validation_id, ref.wall_s, ref.result.get("prepare_s") or 0.0)
+    cases = build_cases(ref.result["planned"], cand_result["cases"], ref.result["cases"], findings)
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
@@ -159,38 +151,32 @@ async def validate_candidate(
 class StepJobs:
     """Sandboxed jobs started together; each step's result is awaited when the step is due."""
 
-    def __init__(self, specs: dict[str, JobSpec], progress: Progress | None) -> None:
-        self.specs = specs
-        self.progress = progress
+    def __init__(self, starters: dict[str, Callable[[], Awaitable[JobResult]]]) -> None:
+        self.starters = starters
         self.results: dict[str, JobResult] = {}
-        self.done = {name: anyio.Event() for name in specs}
+        self.done = {name: anyio.Event() for name in starters}
+        self.any_done = anyio.Event()
 
     def start_all(self, tg) -> None:
-        for name in self.specs:
+        for name in self.starters:
             tg.start_soon(self._run, name)
 
     async def _run(self, name: str) -> None:
-        # Progress from the first job only: the others would repeat the same heartbeat.
-        report = self.progress if name == next(iter(self.specs)) else None
-        self.results[name] = await run_job(self.specs[name], on_progress=report)
+        self.results[name] = await self.starters[name]()
         self.done[name].set()
+        self.any_done.set()
 
     async def result(self, name: str) -> JobResult:
         await self.done[name].wait()
         return self.results[name]
 
-
-def publish_go(path: Path, payload: dict, token: str) -> None:
-    """Atomically write a go-file signed with the token only the waiting worker holds."""
-    import hashlib
-    import hmac
-    import json
-
-    body = json.dumps(payload)
-    mac = hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"payload": body, "mac": mac}))
-    tmp.rename(path)
+    async def first_done(self, *names: str) -> str:
+        while True:
+            finished = [n for n in names if self.done[n].is_set()]
+            if finished:
+                return finished[0]
+            await self.any_done.wait()
+            self.any_done = anyio.Event()
 
 
 def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],

@@ -11,7 +11,7 @@ Each reply carries a checksum of the output at positions the orchestrator chose 
 candidate that computes honestly only when validated is caught while being timed.
 
 Request: {"role", "module", "class_name", "cases_file", "socket", "token", "device",
-          "flush_bytes", "graph_below_s"}
+          "flush_bytes", "graph_below_s", "rotate_bytes", "max_sets"}
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ _GUARDED = {
 }
 
 
+def _input_bytes(values: list) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
+    """Input sets a batch rotates through: enough that together they pass `rotate_bytes`, at
+    least 2 (a repeated pointer would serve a pointer-keyed cache), at most `max_sets`."""
+    wanted = -(-rotate_bytes // max(set_bytes, 1)) if rotate_bytes else 2
+    return max(2, min(max_sets, wanted))
+
+
 def tampered() -> list[str]:
     return [name for name, (current, original) in _GUARDED.items() if current() is not original]
 
@@ -76,6 +87,8 @@ class Arm:
         self.flush_sink = torch.empty((), dtype=torch.int64, device=self.device)
         self.current: dict[str, Any] = {}
         self.perturb = bool(request.get("perturb", True))
+        self.rotate_bytes = int(request.get("rotate_bytes") or 0)
+        self.max_sets = int(request.get("max_sets") or 8)
 
     # -- setup
     def load(self) -> dict:
@@ -85,9 +98,13 @@ class Arm:
     def setup(self, shape_index: int) -> dict:
         sets = self.shapes[shape_index]["sets"]
         model = build_model(self.model_cls, sets[0], self.device)
-        inputs = [to_device(s["inputs"], self.device) for s in sets]
         # Pristine device copies: the per-batch perturbation starts from them without a host copy.
-        pristine = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in inputs]
+        pristine = [to_device(s["inputs"], self.device) for s in sets]
+        # The timed sets: the prepared ones, then device copies of them up to the rotation count.
+        # Every batch perturbs each set with its own noise, so a copy never repeats content.
+        count = rotation_count(_input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
+        pristine = [pristine[i % len(pristine)] for i in range(max(count, len(pristine)))]
+        inputs = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
         self.current = {"model": model, "inputs": inputs, "pristine": pristine, "graphs": None,
                         "outputs": None, "shape": shape_index}
         with torch.no_grad():

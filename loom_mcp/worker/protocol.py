@@ -74,3 +74,18 @@ def _protect_result_fd() -> None:
 
 
 _protect_result_fd()
+
+
+def publish_go(path: str, payload: dict[str, Any], token: str) -> None:
+    """Atomically write a go-file signed with `token`, which only the waiting worker and its
+    publisher hold (see harness.wait_for_go). Used by the server and by the trusted worker that
+    tells the candidate its inputs are written."""
+    import hashlib
+    import hmac
+
+    body = json.dumps(payload)
+    mac = hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"payload": body, "mac": mac}))
+    os.rename(tmp, path)

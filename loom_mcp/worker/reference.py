@@ -1,15 +1,19 @@
-"""Trusted worker: prepares validation inputs, and later computes the reference and compares.
+"""Trusted worker: validation's reference side, and the benchmark's input sets.
 
-`prepare` runs before the candidate: it writes the inputs (never a reference output).
-`compare` starts with the candidate: once `prepare` has exited it regenerates every input from
-its seed (a file the candidate could have edited is not trusted), checks the regenerated inputs
-hash to what `prepare` wrote and computes the reference natively and in float64, on a GPU while
-the candidate runs (its own process, so the candidate still runs before the reference has
-ever run there); it compares once the candidate's process has exited.
+`validate` (one process, started with the candidate's): plans shape x seed x input-kind cases
+from a secret nonce, writes the inputs for the candidate and signals it to start, then computes
+the reference outputs (native and float64) while the candidate runs: on a GPU as many as fit a
+budget, each in this process (the candidate still runs first in its own; the reference has not
+run anywhere when it starts). Once the server signals that the candidate's process has exited,
+it compares the candidate's saved outputs against them. The inputs it compares on are the ones it
+kept in memory, not the file the candidate could have read.
 
-Request: {"mode": "prepare"|"compare", "task": path, "cases": [{"shape": {...}, "seed": int,
-          "kind": str}], "cases_file": path, "outputs_file": path, "device": "auto",
-          "tolerances": {canonical dtype: {"atol", "rtol"}}}
+`prepare_bench`: input sets per shape for timing, written for both benchmark arms.
+
+Request: {"mode": "validate"|"prepare_bench", "task": path, "seeds": int, "shapes": [names],
+          "cases_file": path, "cand_go_file": path, "go_file": path, "outputs_file": path,
+          "device": "auto", "tolerances": {canonical dtype: {"atol", "rtol"}}}
+The seed nonce (LOOM_NONCE) and the go-file key (LOOM_GO_SIGNER) come in the environment.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import os
 import time
 from typing import Any
 
@@ -37,7 +42,7 @@ from loom_mcp.worker.harness import (
     user_traceback,
     wait_for_go,
 )
-from loom_mcp.worker.protocol import read_request, send_result
+from loom_mcp.worker.protocol import publish_go, read_request, send_result
 
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
                  "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -83,21 +88,6 @@ def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dic
             for shape in shapes for i in range(seeds)]
 
 
-def prepare(request: dict) -> dict:
-    task = load_module(request["task"], "loom_task")
-    cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
-    prepared, digests = [], []
-    for case in cases:
-        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
-        model = build_reference(task, init_inputs, case["seed"])
-        state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
-        prepared.append({"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs,
-                         "state_dict": dict(state)})
-        digests.append(tensor_digest(inputs))
-    torch.save({"cases": prepared}, request["cases_file"])
-    return {"cases": cases, "digests": digests}
-
-
 def _input_bytes(values: list) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
@@ -113,8 +103,9 @@ def _model_value(task, name: str, shape: dict) -> float | None:
 
 
 def prepare_bench(request: dict) -> dict:
-    """Input sets per shape for timing: enough distinct sets that together they exceed the L2,
-    so a rotated input is never cache-resident (capped to bound memory)."""
+    """Distinct input sets per shape for timing (`max_sets`, 2 by default). The arms rotate through
+    more: device copies of these, each perturbed with its own noise before every batch; generating
+    and shipping eight full sets per shape through a file took seconds of every benchmark."""
     task = load_module(request["task"], "loom_task")
     nonce = secret_nonce(request)
     shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), nonce)]
@@ -122,7 +113,7 @@ def prepare_bench(request: dict) -> dict:
     out, meta = [], []
     for shape in shapes:
         sets = []
-        for i in range(request.get("max_sets", 8)):
+        for i in range(request.get("max_sets", 2)):
             seed = derive_seed(nonce, shape["name"], 1000 + i)
             inputs, init_inputs = make_case(task, shape, seed, "normal")
             if i == 0:
@@ -257,18 +248,12 @@ class _ReferenceStore:
         return [t.cpu() for t in tensors]
 
 
-def _reference_case(task, request: dict, index: int, device: torch.device,
-                    ahead: bool = False) -> dict[str, Any]:
-    """Regenerate one case's inputs from its seed, check them against prepare's digest, and
-    compute the reference outputs (native and float64). Ahead of the candidate's exit, running
+def _reference_case(task, task_file: str, case: dict, inputs: list, init_inputs: list,
+                    device: torch.device, ahead: bool = False) -> dict[str, Any]:
+    """One case's reference outputs (native and float64). Ahead of the candidate's exit, running
     out of device memory is not the reference's failure: the candidate holds memory too, so
     the caller stops computing ahead and does this case again afterwards."""
-    case = request["cases"][index]
-    inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
-    entry: dict[str, Any] = {"outputs": [], "inputs_reproducible": True, "note": None,
-                             "degenerate": False, "error": None}
-    if tensor_digest(inputs) != request["digests"][index]:
-        entry["inputs_reproducible"] = False
+    entry: dict[str, Any] = {"outputs": [], "note": None, "degenerate": False, "error": None}
     native = exact = None
     try:
         native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
@@ -279,18 +264,41 @@ def _reference_case(task, request: dict, index: int, device: torch.device,
             raise
         entry["error"] = "reference failed: out of device memory"
     except Exception as exc:
-        entry["error"] = "reference failed: " + user_traceback(exc, request["task"])
+        entry["error"] = "reference failed: " + user_traceback(exc, task_file)
     return {"entry": entry, "native": native, "exact": exact}
 
 
-def compare(request: dict) -> dict:
+def _prepare_cases(task, request: dict) -> tuple[list[dict], list[tuple[list, list]], bool]:
+    """Plan the cases, write their inputs (and the reference's weights) for the candidate, and
+    keep them here. Also whether the task's inputs are reproducible from the seed (the first
+    case generated twice): a task that ignores the seed gives reports no one can rerun."""
+    cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
+    prepared, kept = [], []
+    for case in cases:
+        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
+        model = build_reference(task, init_inputs, case["seed"])
+        state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
+        prepared.append({"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs,
+                         "state_dict": dict(state)})
+        kept.append((inputs, init_inputs))
+    reproducible = True
+    if cases:
+        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"])
+        reproducible = tensor_digest(again) == tensor_digest(kept[0][0])
+    torch.save({"cases": prepared}, request["cases_file"])
+    return cases, kept, reproducible
+
+
+def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     device = pick_device(request.get("device"))
+    started = time.perf_counter()
+    cases, kept, reproducible = _prepare_cases(task, request)
+    prepare_s = time.perf_counter() - started
+    if request.get("cand_go_file"):
+        publish_go(request["cand_go_file"], {}, os.environ.get("LOOM_GO_SIGNER", ""))
     if device.type == "cuda":
-        torch.zeros(1, device=device)  # create the context while the candidate still runs
-    if request.get("plan_file"):
-        # Started early; the plan arrives once the inputs step has exited.
-        request = {**request, **wait_for_go(request["plan_file"])}
+        torch.zeros(1, device=device)  # the context, while the candidate runs
     tolerances = {canonical_key(k): v for k, v in (request.get("tolerances") or {}).items()}
     task_tol = getattr(task, "TOLERANCE", None)
     if isinstance(task_tol, dict):
@@ -300,9 +308,10 @@ def compare(request: dict) -> dict:
     # While the candidate runs: as many reference outputs as the store has room for.
     store = _ReferenceStore(device, request.get("ahead_host_bytes"))
     ahead: list[dict[str, Any]] = []
-    while len(ahead) < len(request["cases"]) and store.has_room():
+    while len(ahead) < len(cases) and store.has_room():
+        i = len(ahead)
         try:
-            ref = _reference_case(task, request, len(ahead), device, ahead=True)
+            ref = _reference_case(task, request["task"], cases[i], *kept[i], device, ahead=True)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             break
@@ -313,11 +322,13 @@ def compare(request: dict) -> dict:
         wait_for_go(request["go_file"])
     outputs = torch.load(request["outputs_file"], weights_only=True)["outputs"]
     results = []
-    for index in range(len(request["cases"])):
-        ref = ahead[index] if index < len(ahead) else _reference_case(task, request, index, device)
+    for index, case in enumerate(cases):
         if index < len(ahead):
-            ahead[index] = {}  # freed after this comparison
+            ref, ahead[index] = ahead[index], {}  # freed after this comparison
+        else:
+            ref = _reference_case(task, request["task"], case, *kept[index], device)
         entry, native, exact = ref["entry"], ref["native"], ref["exact"]
+        entry["inputs_reproducible"] = reproducible
         got = outputs[index] if index < len(outputs) else None
         if entry["error"] or got is None:
             results.append(entry)
@@ -341,13 +352,13 @@ def compare(request: dict) -> dict:
                     one["message"] = "the task's check(out, ref) returned False"
             entry["outputs"].append(one)
         results.append(entry)
-    return {"cases": results, "device": str(device)}
+    return {"planned": cases, "cases": results, "device": str(device), "prepare_s": prepare_s}
 
 
 def main() -> None:
     request = read_request() or {}
     started = time.perf_counter()
-    handler = {"prepare": prepare, "prepare_bench": prepare_bench, "compare": compare}[request["mode"]]
+    handler = {"validate": validate, "prepare_bench": prepare_bench}[request["mode"]]
     try:
         result = handler(request)
         result["error"] = None

@@ -1,0 +1,120 @@
+"""Warm trusted workers: sandboxed processes that have already imported their worker module
+(and so torch) and wait on stdin for the one job they will run.
+
+Starting a worker costs seconds before it does any work: on an H200 host `import torch` alone
+took 3.4 s. The trusted steps sit on the critical path (validation's input preparation, the
+benchmark's input sets), so a worker for them is started ahead of need and kept idle. Only
+trusted workers (task code: the reference, input preparation) are kept warm; a candidate
+always gets a fresh process started for it, so nothing of one job can reach the next.
+
+A warm worker is single-use, sandboxed like any job (its job directory, environment and
+devices are fixed when it starts), and takes its secrets (seed nonce, go-file key) through its
+stdin pipe, which no other process can read. It exits when its stdin closes (the server exited
+or discarded it) or after LOOM_WARM_IDLE_S seconds unused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from loom_mcp.sandbox.job import JobResult, JobSpec
+from loom_mcp.sandbox.runner import Launched, ProgressCallback, spawn, supervise
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 600.0
+MAX_IDLE = 2  # each holds an interpreter with torch imported (hundreds of MB)
+_lock = threading.Lock()
+_idle: dict[str, Launched] = {}  # one idle worker per key, oldest first
+
+
+def warm_argv(python: str, module: str) -> list[str]:
+    return [python, "-m", "loom_mcp.worker.warm", module]
+
+
+def _key(template: JobSpec, pool_dir: Path) -> str:
+    """Everything fixed when a worker starts."""
+    fields = template.model_dump(mode="json", exclude={"job_dir", "request", "timeout_s"})
+    return json.dumps({**fields, "pool": str(pool_dir)}, sort_keys=True)
+
+
+def _fresh(template: JobSpec, pool_dir: Path) -> Launched:
+    spec = template.model_copy(update={
+        "job_dir": pool_dir / f"w{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}",
+        "request": None,
+        "env": {**template.env, "LOOM_WARM_IDLE_S": str(int(IDLE_S))},
+    })
+    return spawn(spec, stdin_pipe=True)
+
+
+def _take_idle(key: str) -> Launched | None:
+    with _lock:
+        worker = _idle.pop(key, None)
+    if worker is not None and not worker.alive():
+        worker.discard()
+        return None
+    return worker
+
+
+def prewarm(template: JobSpec, pool_dir: Path) -> None:
+    """Start a worker for `template` to be taken later (no-op if one is already idle)."""
+    key = _key(template, pool_dir)
+    with _lock:
+        current = _idle.get(key)
+        if current is not None and current.alive():
+            return
+    worker = _fresh(template, pool_dir)
+    with _lock:
+        surplus = [w for w in [_idle.pop(key, None)] if w is not None]
+        _idle[key] = worker
+        while len(_idle) > MAX_IDLE:
+            surplus.append(_idle.pop(next(iter(_idle))))
+    for old in surplus:
+        old.discard()
+
+
+async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Launched:
+    """A worker for `template`: the idle one if there is one, else one started now. With
+    `refill`, another is started for the next caller (leave it off while something is being
+    timed on the CPU: its start-up would compete for the cores)."""
+    worker = _take_idle(_key(template, pool_dir))
+    if worker is None:
+        worker = await anyio.to_thread.run_sync(_fresh, template, pool_dir)
+        log.debug("warm: none idle, started %s", worker.job_dir.name)
+    if refill:
+        await anyio.to_thread.run_sync(prewarm, template, pool_dir)
+    return worker
+
+
+async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dict[str, str],
+                   timeout_s: float, on_progress: ProgressCallback | None = None) -> JobResult:
+    """Give a taken worker its job (request written to its directory, secrets over stdin) and
+    supervise it to the end; the timeout counts from now."""
+    worker.request_path.write_text(json.dumps(request))
+    worker.spec = worker.spec.model_copy(update={"timeout_s": timeout_s, "request": request})
+    line = (json.dumps({"env": secret_env}) + "\n").encode()
+    try:
+        assert worker.process.stdin is not None
+        worker.process.stdin.write(line)
+        worker.process.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass  # it died while idle; supervising reports how
+    return await supervise(worker, on_progress)
+
+
+def discard_all() -> None:
+    """End every idle worker (tests; a server shutting down closes their stdin anyway)."""
+    with _lock:
+        workers = list(_idle.values())
+        _idle.clear()
+    for worker in workers:
+        worker.discard()

@@ -1,0 +1,31 @@
+"""Entry point of a warm worker: import the worker module now, run its job once the server sends it.
+
+    python -m loom_mcp.worker.warm loom_mcp.worker.reference
+
+The job's request is in the usual file (LOOM_REQUEST); the line on stdin carries the secrets
+that the module reads from its environment. Stdin closing, or nothing arriving within
+LOOM_WARM_IDLE_S seconds, ends the process without running anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import sys
+
+
+def main() -> None:
+    module = importlib.import_module(sys.argv[1])  # the expensive part: torch and friends
+    idle_s = float(os.environ.get("LOOM_WARM_IDLE_S", "600"))
+    ready, _, _ = select.select([sys.stdin], [], [], idle_s)
+    line = sys.stdin.readline() if ready else ""
+    if not line.strip():
+        return
+    os.environ.update({str(k): str(v) for k, v in json.loads(line).get("env", {}).items()})
+    module.main()
+
+
+if __name__ == "__main__":
+    main()

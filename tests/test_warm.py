@@ -1,0 +1,135 @@
+"""Warm trusted workers: started ahead of need in the real sandbox, given their job later.
+
+Each test runs the real trusted worker (`loom_mcp.worker.reference`) in a sandboxed process:
+what it writes shows the job it received, including the secret that only travels over stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from loom_mcp.sandbox import JobSpec, warm
+from loom_mcp.worker.reference import derive_seed
+
+TASK = '''
+import time
+import torch
+
+SHAPES = [{"name": "small", "n": 16}]
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def get_inputs(n=16):
+    if n == 0:
+        time.sleep(60)  # a task that hangs while preparing
+    return [torch.randn(n)]
+
+
+def get_init_inputs(n=16):
+    return []
+'''
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_workers_left():
+    yield
+    warm.discard_all()
+
+
+def _template(tmp_path: Path) -> JobSpec:
+    return JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
+                   job_dir=tmp_path / "unused", env={"TRITON_INTERPRET": "1"}, visible_devices=[],
+                   timeout_s=60)
+
+
+def _request(task: Path, worker) -> dict:
+    return {"mode": "prepare_bench", "task": str(task), "shapes": None,
+            "cases_file": str(worker.job_dir / "sets.pt"), "max_sets": 2}
+
+
+@pytest.mark.anyio
+async def test_a_prewarmed_worker_is_taken_and_runs_its_job_with_the_secret_from_stdin(tmp_path: Path) -> None:
+    task = tmp_path / "task.py"
+    task.write_text(TASK)
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    await anyio.to_thread.run_sync(warm.prewarm, template, pool)
+    (idle_dir,) = [p for p in pool.iterdir()]
+    worker = await warm.take(template, pool, refill=False)
+    assert worker.job_dir == idle_dir  # the prewarmed one, not a new one
+    result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "4242"},
+                                 timeout_s=60)
+    assert result.ok, result.stderr_tail
+    assert result.result["shapes"][0]["sets"] == 2
+    sets = torch.load(worker.job_dir / "sets.pt", weights_only=True)["shapes"][0]["sets"]
+    assert [s["seed"] for s in sets] == [derive_seed(4242, "small", 1000), derive_seed(4242, "small", 1001)]
+    # The secret never touched the disk: the request file has no nonce.
+    assert "4242" not in (worker.job_dir / "request.json").read_text()
+    assert "LOOM_NONCE" not in json.loads((worker.job_dir / "request.json").read_text())
+
+
+@pytest.mark.anyio
+async def test_take_refills_and_a_worker_is_used_once(tmp_path: Path) -> None:
+    task = tmp_path / "task.py"
+    task.write_text(TASK)
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    first = await warm.take(template, pool, refill=True)
+    second = await warm.take(template, pool, refill=False)
+    assert first.job_dir != second.job_dir
+    for worker in (first, second):
+        result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "1"},
+                                     timeout_s=60)
+        assert result.ok, result.stderr_tail
+        assert not worker.alive()
+
+
+@pytest.mark.anyio
+async def test_a_worker_idle_too_long_exits_and_is_replaced(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(warm, "IDLE_S", 1.0)
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    await anyio.to_thread.run_sync(warm.prewarm, template, pool)
+    (idle_dir,) = list(pool.iterdir())
+    deadline = time.monotonic() + 60
+    while warm._idle and next(iter(warm._idle.values())).alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.2)
+    worker = await warm.take(template, pool, refill=False)
+    assert worker.job_dir != idle_dir
+    worker.discard()
+
+
+@pytest.mark.anyio
+async def test_a_hanging_warm_job_times_out_and_its_tree_is_killed(tmp_path: Path) -> None:
+    task = tmp_path / "task.py"
+    task.write_text(TASK.replace('SHAPES = [{"name": "small", "n": 16}]',
+                                 'SHAPES = [{"name": "hang", "n": 0}]'))
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    worker = await warm.take(template, pool, refill=False)
+    started = time.monotonic()
+    result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "1"},
+                                 timeout_s=8)
+    assert result.timed_out and not result.ok
+    assert time.monotonic() - started < 30
+    assert not worker.alive()
+
+
+def test_idle_workers_are_bounded(tmp_path: Path) -> None:
+    pools = [tmp_path / f"pool{i}" for i in range(warm.MAX_IDLE + 2)]
+    for pool in pools:
+        warm.prewarm(_template(tmp_path), pool)
+    assert len(warm._idle) == warm.MAX_IDLE
+    assert all(w.alive() for w in warm._idle.values())
