@@ -191,7 +191,7 @@ async def benchmark_candidate(
                 prepared.set()
 
             await say("preparing rotated input sets; starting both arms")
-            begun = time.monotonic()
+            begun, began_epoch = time.monotonic(), time.time()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prepare)
                 tg.start_soon(launch, "baseline")
@@ -226,8 +226,9 @@ async def benchmark_candidate(
                         loaded = await conn.ask({"op": "load"}, timeout_s)
                         if loaded.get("error"):
                             raise ArmError(conn.role, loaded["error"])
-                    log.info("benchmark %s: arms ready %.2f s, inputs ready %.2f s, loaded %.2f s",
-                             benchmark_id, arms_ready, inputs_ready, time.monotonic() - begun)
+                    log.info("benchmark %s: arms ready %.2f s, inputs ready %.2f s (%s), loaded %.2f s",
+                             benchmark_id, arms_ready, inputs_ready, prep.timeline(began_epoch),
+                             time.monotonic() - begun)
                     graph_used, proof, proof_note, proof_applicable = await _run_pairs(
                         arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, candidate)
                 except ArmError as exc:
@@ -355,7 +356,8 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
     proof_started = time.monotonic()
     # A candidate with no kernels of its own has nothing to prove: no profiler start-up for it.
     listing = await arms["candidate"].ask({"op": "kernels", "profile": bool(declared)}, timeout_s)
-    log.info("benchmark: proof-of-execution trace %.2f s", time.monotonic() - proof_started)
+    log.info("benchmark: proof-of-execution trace %.2f s (in the arm: %s)", time.monotonic() - proof_started,
+             listing.get("seconds"))
     if listing.get("kernels") is not None:
         seen = listing["kernels"]
         if not declared:

@@ -102,6 +102,17 @@ class JobResult(BaseModel):
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out and not self.cancelled
 
+    def timeline(self, since: float) -> str:
+        """The worker's marks (epoch seconds sent with its result) as seconds since `since`."""
+        marks = self.result.get("marks") if isinstance(self.result, dict) else None
+        if not isinstance(marks, dict):
+            return "no marks"
+        try:
+            ordered = sorted((float(at), str(name)) for name, at in marks.items())
+        except (TypeError, ValueError):
+            return "unreadable marks"
+        return ", ".join(f"{name} +{at - since:.2f}" for at, name in ordered)
+
     def failure(self) -> str:
         """Why the job did not succeed, in one line: timeout, signal, or exit code and stderr tail."""
         if self.timed_out:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ async def validate_candidate(
     outputs_file = job_dir / "cand" / "outputs.pt"
     cand_cache = code_cache(job_dir, candidate)
 
+    began = time.time()
     token = secrets.token_hex(32)
     signals = job_dir / "signals"
     signals.mkdir(exist_ok=True)
@@ -108,8 +110,8 @@ async def validate_candidate(
             raise reference_failure(jobs.results["ref"])
         cand = jobs.results["cand"]
         cand_result = cand.result if cand.ok and cand.result else None
-        log.info("validation %s: candidate done %.2f s (worker %.2f s)", validation_id, cand.wall_s,
-                 (cand_result or {}).get("seconds") or 0.0)
+        log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s,
+                 cand.timeline(began))
         if cand_result is None:
             findings.append(Finding(check="validation.crash", severity="error",
                                     message=_job_failure("candidate", cand)))
@@ -140,8 +142,8 @@ async def validate_candidate(
     if isinstance(outcome["value"], ValidationEvidence):
         return outcome["value"]
     ref, cand_result = outcome["value"]
-    log.info("validation %s: reference done %.2f s (inputs written after %.2f s of work)",
-             validation_id, ref.wall_s, ref.result.get("prepare_s") or 0.0)
+    log.info("validation %s: reference done %.2f s after it was given the job (%s)", validation_id,
+             ref.wall_s, ref.timeline(began))
     cases = build_cases(ref.result["planned"], cand_result["cases"], ref.result["cases"], findings)
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)

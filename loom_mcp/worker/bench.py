@@ -31,7 +31,7 @@ from loom_mcp.worker.harness import (
     synchronize,
     to_device,
 )
-from loom_mcp.worker.protocol import read_request, send_result
+from loom_mcp.worker.protocol import exit_now, read_request, send_result
 
 # Cycles the stream is held before each timed call, so the call's launches are already queued
 # when the start event fires. ~100 us at H200 clocks: Python-side Triton launches take tens of
@@ -237,11 +237,15 @@ class Arm:
         from torch.profiler import ProfilerActivity, profile
 
         model, x = self.current["model"], self.current["inputs"][0]
+        began = time.perf_counter()
         with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+            entered = time.perf_counter()
             model(*x)
             torch.cuda.synchronize()
+        stopped = time.perf_counter()
         names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
-        return {"kernels": names[:200]}
+        return {"kernels": names[:200], "seconds": {"start": entered - began, "stop": stopped - entered,
+                                                   "events": time.perf_counter() - stopped}}
 
 
 def main() -> None:
@@ -284,3 +288,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -26,7 +26,7 @@ from loom_mcp.worker.harness import (
     user_traceback,
     wait_for_go,
 )
-from loom_mcp.worker.protocol import read_request, send_result
+from loom_mcp.worker.protocol import exit_now, mark, read_request, send_result
 
 
 def _poison_uninitialized_memory() -> None:
@@ -119,17 +119,20 @@ def main() -> None:
     try:
         module = load_module(request["candidate"], "loom_candidate")
         model_cls = module.ModelNew
+        mark("candidate_imported")
     except Exception as exc:
         send_result({"load_error": user_traceback(exc, request["candidate"]), "cases": []})
         return
     if request.get("go_file"):
         wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
     cases = torch.load(request["cases_file"], weights_only=True)["cases"]
+    mark("inputs_loaded")
     reports, outputs = [], []
     for case in cases:
         report, out = run_case(model_cls, case, device, request["candidate"])
         reports.append(report)
         outputs.append(out)
+    mark("cases_run")
     torch.save({"outputs": outputs}, request["outputs_file"])
     send_result({"load_error": None, "cases": reports, "device": str(device),
                  "seconds": time.perf_counter() - started})
@@ -137,3 +140,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -17,6 +17,10 @@ from typing import Any
 
 import torch
 
+from loom_mcp.worker.protocol import mark
+
+mark("torch_imported")
+
 INPUT_KINDS = ("normal", "normal", "heavy_tailed", "scaled_1e-3", "scaled_64")
 
 CANONICAL_DTYPES = {
@@ -170,6 +174,7 @@ def wait_for_go(path: str | Path, timeout_s: float = 3600.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no go signal at {path}")
         time.sleep(0.01)
+    mark(f"go:{path.name}")
     message = json.loads(path.read_text())
     token = os.environ.get("LOOM_GO_SIGNER", "").encode()
     payload = message["payload"].encode()

@@ -42,7 +42,7 @@ from loom_mcp.worker.harness import (
     user_traceback,
     wait_for_go,
 )
-from loom_mcp.worker.protocol import publish_go, read_request, send_result
+from loom_mcp.worker.protocol import exit_now, mark, publish_go, read_request, send_result
 
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
                  "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -286,6 +286,7 @@ def _prepare_cases(task, request: dict) -> tuple[list[dict], list[tuple[list, li
         again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"])
         reproducible = tensor_digest(again) == tensor_digest(kept[0][0])
     torch.save({"cases": prepared}, request["cases_file"])
+    mark("inputs_written")
     return cases, kept, reproducible
 
 
@@ -317,6 +318,7 @@ def validate(request: dict) -> dict:
             break
         ahead.append({**ref, "native": store.keep(ref["native"]), "exact": store.keep(ref["exact"])})
 
+    mark(f"ahead_{len(ahead)}_of_{len(cases)}")
     # Once the candidate has exited: its outputs against the references.
     if request.get("go_file"):
         wait_for_go(request["go_file"])
@@ -372,3 +374,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

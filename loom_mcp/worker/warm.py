@@ -24,7 +24,11 @@ def main() -> None:
     if not line.strip():
         return
     os.environ.update({str(k): str(v) for k, v in json.loads(line).get("env", {}).items()})
+    from loom_mcp.worker.protocol import exit_now, mark
+
+    mark("dispatched")
     module.main()
+    exit_now()
 
 
 if __name__ == "__main__":
