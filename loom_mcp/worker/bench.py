@@ -227,6 +227,29 @@ class Arm:
             samples.append(one)
         return {"times": times, "samples": samples, "error": None, "tampered": tampered()}
 
+    def trace_start(self) -> dict:
+        """Start a profiler on this process (the proof arm: never timed), ahead of `trace`."""
+        from torch.profiler import ProfilerActivity, profile
+
+        began = time.perf_counter()
+        self.profiler = profile(activities=[ProfilerActivity.CUDA])
+        self.profiler.__enter__()
+        return {"seconds": {"start": time.perf_counter() - began}}
+
+    def trace(self, shape_index: int) -> dict:
+        """One forward of the shape's first input set under the running profiler: the names of the
+        device kernels it launched."""
+        began = time.perf_counter()
+        sets = self.shapes[shape_index]["sets"]
+        model = build_model(self.model_cls, sets[0], self.device)
+        x = to_device(sets[0]["inputs"], self.device)
+        with torch.no_grad():
+            model(*x)
+        torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        names = sorted({e.name for e in self.profiler.events() if e.device_type.name == "CUDA"})
+        return {"kernels": names[:200], "seconds": {"trace": time.perf_counter() - began}}
+
     def kernels(self, profile: bool = True) -> dict:
         """Names of the device kernels one forward launches: the proof that they ran. Without
         `profile` (the candidate defines no kernels) an empty list, without starting a profiler."""
@@ -276,6 +299,10 @@ def main() -> None:
             elif op == "batch":
                 samples += 1
                 reply(arm.batch(command["probe"], command["salt"]))
+            elif op == "trace_start":
+                reply(arm.trace_start())
+            elif op == "trace":
+                reply(arm.trace(command["shape"]))
             elif op == "kernels":
                 reply(arm.kernels(bool(command.get("profile", True))))
             elif op == "quit":

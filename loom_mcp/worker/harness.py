@@ -93,27 +93,52 @@ def _call_with_shape(fn, shape: dict[str, Any]):
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
-def _transform(tensor: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """Stress variants of a floating input: tails and scales that expose tolerance games."""
+def _transform(tensor: torch.Tensor, kind: str, seed: int, generators: dict) -> torch.Tensor:
+    """Stress variants of a floating input: tails and scales that expose tolerance games.
+    One generator per device and case, drawn from in input order."""
     if not tensor.is_floating_point() or kind == "normal":
         return tensor
     if kind == "heavy_tailed":
         # Log-normal magnitudes: most values stay near 1, a few are 10-100x larger.
-        factor = torch.exp(torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * 1.2)
-        return (tensor.float() * factor).to(tensor.dtype)
+        key = str(tensor.device)
+        if key not in generators:
+            generators[key] = torch.Generator(device=tensor.device).manual_seed(seed ^ 0x5EED)
+        generator = generators[key]
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32, device=tensor.device)
+        return (tensor.float() * torch.exp(noise * 1.2)).to(tensor.dtype)
     if kind.startswith("scaled_"):
         return (tensor.float() * float(kind.removeprefix("scaled_"))).to(tensor.dtype)
     raise ValueError(f"unknown input kind {kind!r}")
 
 
-def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str) -> tuple[list, list]:
-    """(inputs, init_inputs) for one case, on the CPU, bit-for-bit reproducible from the seed."""
+def _generate_inputs(task: ModuleType, shape: dict[str, Any], seed: int,
+                     device: torch.device | None) -> list:
     torch.manual_seed(seed)
-    inputs = list(_call_with_shape(task.get_inputs, shape))
+    if device is None or device.type == "cpu":
+        return list(_call_with_shape(task.get_inputs, shape))
+    try:
+        with device:  # factory calls without a device land on the accelerator
+            return [x.cpu() if isinstance(x, torch.Tensor) else x
+                    for x in _call_with_shape(task.get_inputs, shape)]
+    except Exception:  # a get_inputs that needs host tensors (.numpy(), ...): make them there
+        torch.manual_seed(seed)
+        return list(_call_with_shape(task.get_inputs, shape))
+
+
+def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str,
+              device: torch.device | None = None) -> tuple[list, list]:
+    """(inputs, init_inputs) for one case, returned on the CPU, bit-for-bit reproducible from the
+    seed on a given kind of device. With an accelerator `device`, the task's random inputs are
+    drawn there and copied back: on the H200 host drawing 220 MB of validation inputs on the
+    CPU took 4-5 s of the critical path and its threads slowed the candidate's start-up beside it.
+    (The same seed draws different numbers on a CPU and on a GPU; each is reproducible.)"""
+    inputs = _generate_inputs(task, shape, seed, device)
     init_fn = getattr(task, "get_init_inputs", None)
     init_inputs = list(_call_with_shape(init_fn, shape)) if init_fn else []
-    generator = torch.Generator().manual_seed(seed ^ 0x5EED)
-    inputs = [_transform(x, kind, generator) if isinstance(x, torch.Tensor) else x for x in inputs]
+    on = device if device is not None and device.type != "cpu" else None
+    generators: dict[str, torch.Generator] = {}
+    inputs = [_transform(x.to(on) if on is not None else x, kind, seed, generators).cpu()
+              if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     return inputs, init_inputs
 
 

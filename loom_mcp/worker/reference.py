@@ -107,6 +107,7 @@ def prepare_bench(request: dict) -> dict:
     more: device copies of these, each perturbed with its own noise before every batch; generating
     and shipping eight full sets per shape through a file took seconds of every benchmark."""
     task = load_module(request["task"], "loom_task")
+    device = pick_device(request.get("device"))
     nonce = secret_nonce(request)
     shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), nonce)]
     target = int(request.get("rotate_bytes") or 0)
@@ -115,7 +116,7 @@ def prepare_bench(request: dict) -> dict:
         sets = []
         for i in range(request.get("max_sets", 2)):
             seed = derive_seed(nonce, shape["name"], 1000 + i)
-            inputs, init_inputs = make_case(task, shape, seed, "normal")
+            inputs, init_inputs = make_case(task, shape, seed, "normal", device)
             if i == 0:
                 model = build_reference(task, init_inputs, seed)
                 state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
@@ -268,14 +269,14 @@ def _reference_case(task, task_file: str, case: dict, inputs: list, init_inputs:
     return {"entry": entry, "native": native, "exact": exact}
 
 
-def _prepare_cases(task, request: dict) -> tuple[list[dict], list[tuple[list, list]], bool]:
+def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], bool]:
     """Plan the cases, write their inputs (and the reference's weights) for the candidate, and
     keep them here. Also whether the task's inputs are reproducible from the seed (the first
     case generated twice): a task that ignores the seed gives reports no one can rerun."""
     cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
     prepared, kept = [], []
     for case in cases:
-        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"])
+        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"], device)
         model = build_reference(task, init_inputs, case["seed"])
         state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
         prepared.append({"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs,
@@ -283,7 +284,7 @@ def _prepare_cases(task, request: dict) -> tuple[list[dict], list[tuple[list, li
         kept.append((inputs, init_inputs))
     reproducible = True
     if cases:
-        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"])
+        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device)
         reproducible = tensor_digest(again) == tensor_digest(kept[0][0])
     torch.save({"cases": prepared}, request["cases_file"])
     mark("inputs_written")
@@ -294,7 +295,7 @@ def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     device = pick_device(request.get("device"))
     started = time.perf_counter()
-    cases, kept, reproducible = _prepare_cases(task, request)
+    cases, kept, reproducible = _prepare_cases(task, request, device)
     prepare_s = time.perf_counter() - started
     if request.get("cand_go_file"):
         publish_go(request["cand_go_file"], {}, os.environ.get("LOOM_GO_SIGNER", ""))
