@@ -32,7 +32,14 @@ from loom_mcp.worker.protocol import exit_now, mark, read_request, send_result
 def _poison_uninitialized_memory() -> None:
     # torch.empty* come back filled with NaN (ints: max value), so a kernel that leaves part of
     # its output unwritten cannot pass by luck of what the allocator hands back.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # The C-level switch: the public torch.use_deterministic_algorithms also imports the inductor
+    # configuration (and with it dynamo), which took 4 s of the candidate step on the H200 host.
+    # A candidate that compiles imports inductor itself; the determinism check covers it anyway.
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is not None:
+        setter(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
 
 
