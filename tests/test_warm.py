@@ -76,6 +76,9 @@ async def test_a_prewarmed_worker_is_taken_and_runs_its_job_with_the_secret_from
                                  timeout_s=60)
     assert result.ok, result.stderr_tail
     assert result.result["shapes"][0]["sets"] == 2
+    # Its timeline: torch was imported before the job was given, the result came after.
+    assert result.marks["torch_imported"] <= result.marks["dispatched"] <= result.marks["result"]
+    assert "dispatched +" in result.timeline(result.marks["torch_imported"])
     sets = torch.load(worker.job_dir / "sets.pt", weights_only=True)["shapes"][0]["sets"]
     assert [s["seed"] for s in sets] == [derive_seed(4242, "small", 1000), derive_seed(4242, "small", 1001)]
     # The secret never touched the disk: the request file has no nonce.

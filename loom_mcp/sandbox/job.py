@@ -93,6 +93,9 @@ class JobResult(BaseModel):
     result_error: str | None = Field(
         default=None, description="Why `result` is None although the worker sent something"
     )
+    marks: dict[str, float] | None = Field(
+        default=None, description="Moments of the worker's life (epoch seconds) sent with its result"
+    )
     network_isolated: bool
     readonly_fs: bool = Field(
         default=False, description="The file system outside the job's writable paths was read-only"
@@ -104,11 +107,10 @@ class JobResult(BaseModel):
 
     def timeline(self, since: float) -> str:
         """The worker's marks (epoch seconds sent with its result) as seconds since `since`."""
-        marks = self.result.get("marks") if isinstance(self.result, dict) else None
-        if not isinstance(marks, dict):
+        if not self.marks:
             return "no marks"
         try:
-            ordered = sorted((float(at), str(name)) for name, at in marks.items())
+            ordered = sorted((float(at), str(name)) for name, at in self.marks.items())
         except (TypeError, ValueError):
             return "unreadable marks"
         return ", ".join(f"{name} +{at - since:.2f}" for at, name in ordered)

@@ -363,6 +363,7 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
         result, result_error = await anyio.to_thread.run_sync(_parse_result, result_sink)
     else:
         result, result_error = _parse_result(result_sink)
+    marks = result.pop("marks", None) if isinstance(result, dict) else None
     return JobResult(
         returncode=returncode,
         signal=sig,
@@ -375,6 +376,7 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
         stderr_bytes=err.total,
         result=result,
         result_error=result_error,
+        marks=marks if isinstance(marks, dict) else None,
         network_isolated=bool(applied.get("net")),
         readonly_fs=bool(applied.get("readonly_fs")),
     )
