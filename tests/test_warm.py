@@ -68,7 +68,7 @@ async def test_a_prewarmed_worker_is_taken_and_runs_its_job_with_the_secret_from
     task = tmp_path / "task.py"
     task.write_text(TASK)
     template, pool = _template(tmp_path), tmp_path / "warm"
-    await anyio.to_thread.run_sync(warm.prewarm, template, pool)
+    warm.prewarm(template, pool)
     (idle_dir,) = [p for p in pool.iterdir()]
     worker = await warm.take(template, pool, refill=False)
     assert worker.job_dir == idle_dir  # the prewarmed one, not a new one
@@ -105,7 +105,7 @@ async def test_take_refills_and_a_worker_is_used_once(tmp_path: Path) -> None:
 async def test_a_worker_idle_too_long_exits_and_is_replaced(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(warm, "IDLE_S", 1.0)
     template, pool = _template(tmp_path), tmp_path / "warm"
-    await anyio.to_thread.run_sync(warm.prewarm, template, pool)
+    warm.prewarm(template, pool)
     (idle_dir,) = list(pool.iterdir())
     deadline = time.monotonic() + 60
     while warm._idle and next(iter(warm._idle.values())).alive() and time.monotonic() < deadline:
@@ -136,3 +136,22 @@ def test_idle_workers_are_bounded(tmp_path: Path) -> None:
         warm.prewarm(_template(tmp_path), pool)
     assert len(warm._idle) == warm.MAX_IDLE
     assert all(w.alive() for w in warm._idle.values())
+
+
+@pytest.mark.anyio
+async def test_a_warm_worker_outlives_the_threads_around_its_spawn(tmp_path: Path) -> None:
+    """The launcher arms PDEATHSIG, which fires when the thread that forked it exits. Workers
+    forked from anyio's pooled threads were SIGKILLed once those idled out (10 s)."""
+    task = tmp_path / "task.py"
+    task.write_text(TASK)
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    worker = await warm.take(template, pool, refill=False)
+    for _ in range(3):  # pooled threads exist, idle out (10 s), and are pruned by the next call
+        await anyio.to_thread.run_sync(time.sleep, 0.05)
+    await anyio.sleep(10.5)
+    await anyio.to_thread.run_sync(time.sleep, 0.05)
+    await anyio.sleep(1.0)
+    assert worker.alive()
+    result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "3"},
+                                 timeout_s=60)
+    assert result.ok and result.signal is None, result.failure()

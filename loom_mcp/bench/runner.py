@@ -268,7 +268,7 @@ async def benchmark_candidate(
         if prep_worker.alive() and "job" not in prep_box:
             prep_worker.discard()  # never given its job (an arm failed first)
     if device != "cpu":  # on a CPU its start-up would compete with whatever is timed next
-        await anyio.to_thread.run_sync(warm.prewarm, prep_template, job_dir.parent / "warm")
+        warm.prewarm(prep_template, job_dir.parent / "warm")  # on the loop's thread
     shape_samples = [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],

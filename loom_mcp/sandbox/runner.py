@@ -213,6 +213,11 @@ class Launched:
 def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
     """Start `spec.argv` under the sandbox launcher and return at once (blocking: fork and exec).
 
+    Call it from a thread that outlives the job (the event loop's): the launcher arms
+    PR_SET_PDEATHSIG, which fires when the *thread* that forked it exits. Forked from a pooled
+    worker thread, jobs were SIGKILLed when that thread idled out (seen on the H200 host: an arm
+    mid-benchmark, then every reference step).
+
     With `stdin_pipe` the worker gets a pipe on stdin (a warm worker reads its job from it);
     otherwise /dev/null. The request file, if any, is written now.
     """
@@ -388,5 +393,6 @@ async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) ->
     If the calling scope is cancelled, the worker's whole process tree is killed and reaped
     before the cancellation propagates.
     """
-    launched = await anyio.to_thread.run_sync(spawn, spec)
+    await anyio.to_thread.run_sync(isolation.capabilities)  # probed once, off the loop
+    launched = spawn(spec)  # on the loop's thread: see spawn()
     return await supervise(launched, on_progress)

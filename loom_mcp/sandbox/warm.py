@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from loom_mcp.sandbox import isolation
 from loom_mcp.sandbox.job import JobResult, JobSpec
 from loom_mcp.sandbox.runner import Launched, ProgressCallback, spawn, supervise
 
@@ -66,7 +67,8 @@ def _take_idle(key: str) -> Launched | None:
 
 
 def prewarm(template: JobSpec, pool_dir: Path) -> None:
-    """Start a worker for `template` to be taken later (no-op if one is already idle)."""
+    """Start a worker for `template` to be taken later (no-op if one is already idle). Call it
+    from a thread that outlives the worker (the event loop's; see runner.spawn)."""
     key = _key(template, pool_dir)
     with _lock:
         current = _idle.get(key)
@@ -86,12 +88,14 @@ async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Lau
     """A worker for `template`: the idle one if there is one, else one started now. With
     `refill`, another is started for the next caller (leave it off while something is being
     timed on the CPU: its start-up would compete for the cores)."""
+    await anyio.to_thread.run_sync(isolation.capabilities)  # probed once, off the loop
+    # Spawned on the loop's thread, never a pooled one (see runner.spawn: PDEATHSIG).
     worker = _take_idle(_key(template, pool_dir))
     if worker is None:
-        worker = await anyio.to_thread.run_sync(_fresh, template, pool_dir)
+        worker = _fresh(template, pool_dir)
         log.debug("warm: none idle, started %s", worker.job_dir.name)
     if refill:
-        await anyio.to_thread.run_sync(prewarm, template, pool_dir)
+        prewarm(template, pool_dir)
     return worker
 
 
