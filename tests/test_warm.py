@@ -7,7 +7,9 @@ what it writes shows the job it received, including the secret that only travels
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import anyio
 import pytest
 import torch
 
-from loom_mcp.sandbox import JobSpec, warm
+from loom_mcp.sandbox import JobSpec, run_job, runner, warm
 from loom_mcp.worker.reference import derive_seed
 
 TASK = '''
@@ -138,20 +140,43 @@ def test_idle_workers_are_bounded(tmp_path: Path) -> None:
     assert all(w.alive() for w in warm._idle.values())
 
 
+def test_a_job_dies_with_the_thread_that_forked_it(tmp_path: Path) -> None:
+    """Why jobs are forked on the event loop's thread: the launcher arms PDEATHSIG ("die with
+    the server"), and Linux sends it when the forking *thread* exits. Jobs forked from anyio's
+    pooled threads were SIGKILLed when those idled out (an arm mid-benchmark on the H200 host)."""
+    box: dict = {}
+
+    def fork_and_wait_until_running() -> None:
+        box["job"] = runner.spawn(JobSpec(
+            argv=[sys.executable, "-c", "import pathlib, time; pathlib.Path('up').touch(); time.sleep(60)"],
+            job_dir=tmp_path / "job", timeout_s=60))
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "job" / "up").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=fork_and_wait_until_running)
+    thread.start()
+    thread.join()
+    try:
+        assert box["job"].process.wait(10) == -signal.SIGKILL
+    finally:
+        box["job"].discard()
+
+
 @pytest.mark.anyio
-async def test_a_warm_worker_outlives_the_threads_around_its_spawn(tmp_path: Path) -> None:
-    """The launcher arms PDEATHSIG, which fires when the thread that forked it exits. Workers
-    forked from anyio's pooled threads were SIGKILLed once those idled out (10 s)."""
-    task = tmp_path / "task.py"
-    task.write_text(TASK)
-    template, pool = _template(tmp_path), tmp_path / "warm"
-    worker = await warm.take(template, pool, refill=False)
-    for _ in range(3):  # pooled threads exist, idle out (10 s), and are pruned by the next call
-        await anyio.to_thread.run_sync(time.sleep, 0.05)
-    await anyio.sleep(10.5)
-    await anyio.to_thread.run_sync(time.sleep, 0.05)
-    await anyio.sleep(1.0)
-    assert worker.alive()
-    result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "3"},
-                                 timeout_s=60)
-    assert result.ok and result.signal is None, result.failure()
+async def test_jobs_and_warm_workers_are_forked_on_the_event_loop_thread(tmp_path: Path, monkeypatch) -> None:
+    forked_on: list[int] = []
+    real_spawn = runner.spawn
+
+    def recording_spawn(spec, **kwargs):
+        forked_on.append(threading.get_ident())
+        return real_spawn(spec, **kwargs)
+
+    monkeypatch.setattr(runner, "spawn", recording_spawn)
+    monkeypatch.setattr(warm, "spawn", recording_spawn)
+    loop_thread = threading.get_ident()
+    result = await run_job(JobSpec(argv=[sys.executable, "-c", "pass"], job_dir=tmp_path / "j", timeout_s=60))
+    assert result.ok, result.failure()
+    worker = await warm.take(_template(tmp_path), tmp_path / "warm", refill=True)
+    worker.discard()
+    assert len(forked_on) == 3 and set(forked_on) == {loop_thread}
