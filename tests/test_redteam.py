@@ -68,6 +68,8 @@ async def test_honest_candidates_pass(server, workspace, candidate):
     assert report["passed"] is True, report
     assert report["cases_total"] == 2 * 5 and report["cases_failed"] == 0
     assert {c["input_kind"] for c in [report["worst_case"]]} <= {"normal", "heavy_tailed", "scaled_1e-3", "scaled_64"}
+    # Inputs and outputs are scratch: none is left behind in the jobs' directories.
+    assert sorted(p.name for p in (workspace / "home" / "jobs").rglob("*.pt")) == []
 
 
 @pytest.mark.anyio
@@ -157,6 +159,7 @@ async def test_honest_benchmark_reports_statistics(server, workspace):
     # No arm outlives the call: they are ended at "quit", and the whole process tree with them.
     assert not Path("/proc/self").exists() or bench_workers() == []
     assert timed["findings"] == []
+    assert sorted(p.name for p in (workspace / "home" / "jobs").rglob("*.pt")) == []  # scratch gone
     shape = timed["shapes"][0]
     assert shape["pairs"] >= 10
     assert shape["ci_low"] <= shape["speedup"] <= shape["ci_high"]

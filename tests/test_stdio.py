@@ -214,3 +214,35 @@ def test_mcp_inspector_cli_lists_calls_and_reads(tmp_path):
     cid = started["structuredContent"]["campaign_id"]
     read = inspector("--method", "resources/read", "--uri", f"loom://campaigns/{cid}")
     assert json.loads(read["contents"][0]["text"])["id"] == cid
+
+
+def processes_working_under(root: Path) -> list[int]:
+    """Pids whose working directory lies under `root` (a job's cwd is its job directory)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd").startswith(str(root)):
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs /proc")
+async def test_idle_warm_workers_go_when_the_server_does(tmp_path):
+    redteam = Path(__file__).parent / "redteam"
+    for name in ("task_rmsnorm.py", "honest_torch.py"):
+        shutil.copy(redteam / name, tmp_path / name)
+    home = tmp_path / "home"
+    async with Client(params(home, tmp_path)) as client:
+        result = await client.call_tool("run_validation", {
+            "task": str(tmp_path / "task_rmsnorm.py"), "candidate": str(tmp_path / "honest_torch.py")})
+        assert result.is_error is False, result.content
+        # Validation left a warm trusted worker for the next call.
+        assert processes_working_under(home / "jobs" / "warm")
+    deadline = time.monotonic() + 20
+    while processes_working_under(home / "jobs" / "warm") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_working_under(home / "jobs" / "warm") == []

@@ -265,6 +265,7 @@ async def benchmark_candidate(
 
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+        cases_file.unlink(missing_ok=True)  # scratch input sets (the evidence is in the ledger)
         if prep_worker.alive() and "job" not in prep_box:
             prep_worker.discard()  # never given its job (an arm failed first)
     if device != "cpu":  # on a CPU its start-up would compete with whatever is timed next

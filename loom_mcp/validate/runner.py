@@ -129,14 +129,21 @@ async def validate_candidate(
         return ref, cand_result
 
     outcome: dict[str, Any] = {}
-    async with anyio.create_task_group() as tg:
-        jobs.start_all(tg)
-        try:
-            outcome["value"] = await steps()
-        except LoomError as exc:  # raised after the group, so it is not wrapped in a group
-            outcome["error"] = exc
-        finally:
-            tg.cancel_scope.cancel()  # ends any job still waiting for a go that will not come
+    try:
+        async with anyio.create_task_group() as tg:
+            jobs.start_all(tg)
+            try:
+                outcome["value"] = await steps()
+            except LoomError as exc:  # raised after the group, so it is not wrapped in a group
+                outcome["error"] = exc
+            finally:
+                tg.cancel_scope.cancel()  # ends any job still waiting for a go that will not come
+    finally:
+        # The inputs and outputs are scratch (the evidence is in the ledger), and big: hundreds
+        # of MB per validation that would otherwise pile up over a campaign.
+        remove_scratch(cases_file, outputs_file)
+        if reference.alive() and "ref" not in jobs.results:
+            reference.discard()
     if "error" in outcome:
         raise outcome["error"]
     if isinstance(outcome["value"], ValidationEvidence):
@@ -148,6 +155,11 @@ async def validate_candidate(
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
+
+
+def remove_scratch(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 class StepJobs:
