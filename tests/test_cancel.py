@@ -13,6 +13,7 @@ import pytest
 from mcp import Client
 
 from loom_mcp.config import load_config
+from loom_mcp.sandbox import isolation, warm
 from loom_mcp.server import build_server
 from loom_mcp.store import Ledger
 
@@ -34,10 +35,19 @@ class ModelNew(torch.nn.Module):
 
 
 def our_jobs() -> list[str]:
-    """Sandbox launchers started by this process (the in-process server): their config names us."""
-    out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    """Sandbox launchers started by this process (the in-process server: their config names us),
+    except idle warm workers, which wait for a later call by design (and go with the server)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     mark = f'"parent_pid": {os.getpid()},'
-    return [line for line in out.splitlines() if mark in line]
+    idle = set()
+    for worker in list(warm._idle.values()):  # the launcher and what it forked (its init)
+        idle |= {worker.process.pid, *isolation.descendants(worker.process.pid)}
+    jobs = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if mark in args and int(pid) not in idle:
+            jobs.append(args)
+    return jobs
 
 
 @pytest.mark.anyio
