@@ -74,6 +74,7 @@ async def test_a_prewarmed_worker_is_taken_and_runs_its_job_with_the_secret_from
     (idle_dir,) = [p for p in pool.iterdir()]
     worker = await warm.take(template, pool, refill=False)
     assert worker.job_dir == idle_dir  # the prewarmed one, not a new one
+    assert template.job_dir.resolve() == idle_dir.resolve()  # the run's directory links to it
     result = await warm.run_warm(worker, _request(task, worker), secret_env={"LOOM_NONCE": "4242"},
                                  timeout_s=60)
     assert result.ok, result.stderr_tail

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +179,6 @@ class Launched:
     result_r: int
     meta_r: int
     request_path: Path
-    spawned: float = field(default_factory=time.monotonic)
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -85,7 +85,8 @@ def prewarm(template: JobSpec, pool_dir: Path) -> None:
 
 
 async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Launched:
-    """A worker for `template`: the idle one if there is one, else one started now. With
+    """A worker for `template`: the idle one if there is one, else one started now; its
+    directory is linked at `template.job_dir`. With
     `refill`, another is started for the next caller (leave it off while something is being
     timed on the CPU: its start-up would compete for the cores)."""
     await anyio.to_thread.run_sync(isolation.capabilities)  # probed once, off the loop
@@ -94,9 +95,20 @@ async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Lau
     if worker is None:
         worker = _fresh(template, pool_dir)
         log.debug("warm: none idle, started %s", worker.job_dir.name)
+    link_into(worker, template.job_dir)
     if refill:
         prewarm(template, pool_dir)
     return worker
+
+
+def link_into(worker: Launched, link: Path) -> None:
+    """Make `link` (in the calling run's job directory) point at the worker's own directory, so
+    a run's directory still shows every step it ran."""
+    try:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(worker.job_dir, target_is_directory=True)
+    except OSError:
+        log.debug("warm: could not link %s to %s", link, worker.job_dir)
 
 
 async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dict[str, str],

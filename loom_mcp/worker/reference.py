@@ -294,9 +294,7 @@ def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict
 def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     device = pick_device(request.get("device"))
-    started = time.perf_counter()
     cases, kept, reproducible = _prepare_cases(task, request, device)
-    prepare_s = time.perf_counter() - started
     if request.get("cand_go_file"):
         publish_go(request["cand_go_file"], {}, os.environ.get("LOOM_GO_SIGNER", ""))
     if device.type == "cuda":
@@ -355,7 +353,7 @@ def validate(request: dict) -> dict:
                     one["message"] = "the task's check(out, ref) returned False"
             entry["outputs"].append(one)
         results.append(entry)
-    return {"planned": cases, "cases": results, "device": str(device), "prepare_s": prepare_s}
+    return {"planned": cases, "cases": results, "device": str(device)}
 
 
 def main() -> None:
