@@ -33,6 +33,11 @@ class LoomConfig(BaseModel):
     budgets: Budgets = Field(default_factory=Budgets)
     gate: GateConfig = Field(default_factory=GateConfig)
     job_timeout_s: float = Field(default=900.0, gt=0)
+    warm_workers: bool = Field(
+        default=True,
+        description="Keep a trusted worker (the task's reference and input preparation) started "
+        "ahead of the next call; each idle one holds an interpreter with torch imported",
+    )
     lease_timeout_s: float = Field(default=900.0, gt=0)
 
     @property

@@ -240,7 +240,7 @@ async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: Artifact
         evidence = await validate_candidate(
             task=task_path, candidate=cand_path, job_dir=config.jobs_dir / run_id, seeds=seeds,
             shapes=shapes, device=target.torch_device, timeout_s=config.job_timeout_s,
-            validation_id=run_id, progress=progress)
+            validation_id=run_id, keep_warm=config.warm_workers, progress=progress)
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
     reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes)
     store_record(ledger, artifacts, run_id, "validation",
@@ -340,7 +340,7 @@ async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactS
             task=task_path, candidate=cand_path, baseline=base_path, job_dir=config.jobs_dir / run_id,
             shapes=shapes, device=target.torch_device, gate=gate, peak=target.device.peak,
             flush_bytes=flush_bytes_for(target), timeout_s=config.job_timeout_s,
-            benchmark_id=run_id, clock_sampler=sampler, progress=progress)
+            benchmark_id=run_id, clock_sampler=sampler, keep_warm=config.warm_workers, progress=progress)
         after = sampler() if sampler else None
     state = None
     if before and after:

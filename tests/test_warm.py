@@ -181,3 +181,24 @@ async def test_jobs_and_warm_workers_are_forked_on_the_event_loop_thread(tmp_pat
     worker = await warm.take(_template(tmp_path), tmp_path / "warm", refill=True)
     worker.discard()
     assert len(forked_on) == 3 and set(forked_on) == {loop_thread}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("keep_warm", [True, False])
+async def test_the_humans_config_decides_whether_a_worker_is_kept_warm(tmp_path: Path, keep_warm: bool) -> None:
+    from mcp import Client
+
+    from loom_mcp.config import load_config
+    from loom_mcp.server import build_server
+
+    redteam = Path(__file__).parent / "redteam"
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "loom.toml").write_text(f"warm_workers = {str(keep_warm).lower()}\n")
+    server = build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(redteam)}))
+    async with Client(server) as client:
+        result = await client.call_tool("run_validation", {
+            "task": str(redteam / "task_rmsnorm.py"), "candidate": str(redteam / "honest_torch.py")})
+    assert result.is_error is False, result.content
+    idle_here = [w for w in warm._idle.values() if home in w.job_dir.parents]
+    assert len(idle_here) == (1 if keep_warm else 0)

@@ -137,6 +137,7 @@ async def benchmark_candidate(
     timeout_s: float,
     benchmark_id: str,
     clock_sampler: Callable[[], dict[str, Any]] | None = None,
+    keep_warm: bool = True,
     progress: Progress | None = None,
 ) -> tuple[BenchmarkEvidence, list[Finding]]:
     async def say(message: str) -> None:
@@ -268,7 +269,7 @@ async def benchmark_candidate(
         cases_file.unlink(missing_ok=True)  # scratch input sets (the evidence is in the ledger)
         if prep_worker.alive() and "job" not in prep_box:
             prep_worker.discard()  # never given its job (an arm failed first)
-    if device != "cpu":  # on a CPU its start-up would compete with whatever is timed next
+    if keep_warm and device != "cpu":  # on a CPU its start-up would compete with what is timed next
         warm.prewarm(prep_template, job_dir.parent / "warm")  # on the loop's thread
     shape_samples = [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],

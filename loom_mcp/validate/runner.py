@@ -54,6 +54,7 @@ async def validate_candidate(
     timeout_s: float,
     tolerances: dict[str, Any] | None = None,
     validation_id: str,
+    keep_warm: bool = True,
     progress: Progress | None = None,
 ) -> ValidationEvidence:
     async def say(message: str) -> None:
@@ -75,7 +76,7 @@ async def validate_candidate(
     reference = await warm.take(
         JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
                 env=env, visible_devices=visible, timeout_s=timeout_s),
-        job_dir.parent / "warm")
+        job_dir.parent / "warm", refill=keep_warm)
     # Written by the reference worker, so in its own directory (the only one it may write).
     cases_file, cand_go = reference.job_dir / "cases.pt", reference.job_dir / "cand.go"
     ref_request = {"mode": "validate", "task": str(task), "seeds": seeds, "shapes": shapes,
