@@ -86,9 +86,9 @@ def prewarm(template: JobSpec, pool_dir: Path) -> None:
 
 async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Launched:
     """A worker for `template`: the idle one if there is one, else one started now; its
-    directory is linked at `template.job_dir`. With
-    `refill`, another is started for the next caller (leave it off while something is being
-    timed on the CPU: its start-up would compete for the cores)."""
+    directory is linked at `template.job_dir`. With `refill`, another is started for the next
+    caller (leave it off while something is being timed on the CPU: its start-up would compete
+    for the cores)."""
     await anyio.to_thread.run_sync(isolation.capabilities)  # probed once, off the loop
     # Spawned on the loop's thread, never a pooled one (see runner.spawn: PDEATHSIG).
     worker = _take_idle(_key(template, pool_dir))
