@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -502,3 +503,45 @@ def test_code_cache_is_per_content(tmp_path: Path) -> None:
     assert code_cache(jobs / "run1", a) == code_cache(jobs / "run2", b)
     assert code_cache(jobs / "run1", a) != code_cache(jobs / "run1", c)
     assert code_cache(jobs / "run1", a).parent == tmp_path / "home" / "cache" / "triton"
+
+
+# Both sides as jobs see them: the same user, no capabilities (the launcher drops them all;
+# a process holding capabilities its peer lacks is out of its reach anyway).
+HOLDER = """
+import sys, time
+from loom_mcp.sandbox.isolation import _drop_capabilities
+from loom_mcp.worker.protocol import forbid_inspection
+_drop_capabilities()
+if sys.argv[1] == "forbid":
+    assert forbid_inspection()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+PEEKER = """
+import sys
+from loom_mcp.sandbox.isolation import _drop_capabilities
+_drop_capabilities()
+try:
+    open(f"/proc/{sys.argv[1]}/environ", "rb").read()
+    print("read")
+except PermissionError:
+    print("denied")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("forbid", [False, True])
+def test_a_trusted_worker_hides_its_memory_from_the_same_user(forbid: bool) -> None:
+    """Where a candidate shares the reference's pid namespace and user (the sandbox's fallback),
+    a non-dumpable reference still cannot be read through /proc or ptrace."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "forbid" if forbid else "allow"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        peek = subprocess.run([sys.executable, "-c", PEEKER, str(holder.pid)], capture_output=True,
+                              text=True, timeout=60)
+        assert peek.stdout.strip() == ("denied" if forbid else "read"), peek.stderr
+    finally:
+        holder.kill()
+        holder.wait()

@@ -60,6 +60,21 @@ def send_result(obj: Any) -> None:
         os.close(fd)
 
 
+def forbid_inspection() -> bool:
+    """Make this process non-dumpable: another process of the same user, without
+    CAP_SYS_PTRACE (every job drops its capabilities), can then neither ptrace it nor read its
+    memory or environment under /proc. The trusted reference holds the answers while the
+    candidate runs; where the sandbox could not give the candidate its own pid namespace, this
+    is what keeps it from reading them. True if it took effect (Linux only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        return False
+
+
 def exit_now(code: int = 0) -> None:
     """End the worker without the interpreter's teardown: everything it owes is sent or on disk,
     and unwinding torch, Triton and a device context took seconds on the critical path."""

@@ -42,7 +42,14 @@ from loom_mcp.worker.harness import (
     user_traceback,
     wait_for_go,
 )
-from loom_mcp.worker.protocol import exit_now, mark, publish_go, read_request, send_result
+from loom_mcp.worker.protocol import (
+    exit_now,
+    forbid_inspection,
+    mark,
+    publish_go,
+    read_request,
+    send_result,
+)
 
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
                  "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -357,6 +364,7 @@ def validate(request: dict) -> dict:
 
 
 def main() -> None:
+    forbid_inspection()  # it will hold reference outputs while a candidate runs beside it
     request = read_request() or {}
     started = time.perf_counter()
     handler = {"validate": validate, "prepare_bench": prepare_bench}[request["mode"]]
