@@ -367,28 +367,26 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                  name, started - setup_started, pair, len(record["a"]), elapsed, stop)
         await say(f"{name}: {pair} pairs done")
 
-    proof, note, applicable = None, "proof of execution needs a GPU profiler (CPU run)", True
-    proof_started = time.monotonic()
-    if "proof" in arms:
+    proof, note = None, "proof of execution needs a GPU profiler (CPU run)"
+    if not declared:
+        # A candidate with no kernels of its own has nothing to prove (and no profiler starts).
+        return graph_used, None, "the candidate defines no kernels of its own; nothing to prove", False
+    listing: dict = {"kernels": None}
+    if "proof" in arms:  # on a GPU (see benchmark_candidate)
+        proof_started = time.monotonic()
         try:
             started = await arms["proof"].receive(timeout_s)
             listing = await arms["proof"].ask({"op": "trace", "shape": len(shape_meta) - 1}, timeout_s)
-            listing["seconds"] = {**(started.get("seconds") or {}), **(listing.get("seconds") or {})}
         except ArmError as exc:  # no profiler here (permissions, no CUPTI): say so, judge the rest
-            listing = {"kernels": None}
             note = f"no proof of execution: the profiler failed ({exc})"
-    else:
-        # A candidate with no kernels of its own has nothing to prove: no profiler start-up for it.
-        listing = await arms["candidate"].ask({"op": "kernels", "profile": bool(declared)}, timeout_s)
-    log.info("benchmark: proof-of-execution trace %.2f s after the timing (in the arm: %s)",
-             time.monotonic() - proof_started, listing.get("seconds"))
+        else:
+            log.info("benchmark: proof-of-execution trace %.2f s after the timing (profiler start "
+                     "%s, trace %s)", time.monotonic() - proof_started, started.get("seconds"),
+                     listing.get("seconds"))
     if listing.get("kernels") is not None:
         seen = listing["kernels"]
-        if not declared:
-            proof, note, applicable = None, "the candidate defines no kernels of its own; nothing to prove", False
-        else:
-            hit = sorted(d for d in declared if any(d in k for k in seen))
-            proof = bool(hit)
-            note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
-                    f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
-    return graph_used, proof, note, applicable
+        hit = sorted(d for d in declared if any(d in k for k in seen))
+        proof = bool(hit)
+        note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
+                f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
+    return graph_used, proof, note, True

@@ -26,6 +26,7 @@ import torch
 from loom_mcp.worker.harness import (
     as_output_list,
     build_model,
+    input_bytes,
     load_module,
     pick_device,
     synchronize,
@@ -50,10 +51,6 @@ _GUARDED = {
     "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time, _elapsed_time),
     "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, _cuda_synchronize),
 }
-
-
-def _input_bytes(values: list) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
@@ -102,7 +99,7 @@ class Arm:
         pristine = [to_device(s["inputs"], self.device) for s in sets]
         # The timed sets: the prepared ones, then device copies of them up to the rotation count.
         # Every batch perturbs each set with its own noise, so a copy never repeats content.
-        count = rotation_count(_input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
+        count = rotation_count(input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
         pristine = [pristine[i % len(pristine)] for i in range(max(count, len(pristine)))]
         inputs = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
         self.current = {"model": model, "inputs": inputs, "pristine": pristine, "graphs": None,
@@ -250,26 +247,6 @@ class Arm:
         names = sorted({e.name for e in self.profiler.events() if e.device_type.name == "CUDA"})
         return {"kernels": names[:200], "seconds": {"trace": time.perf_counter() - began}}
 
-    def kernels(self, profile: bool = True) -> dict:
-        """Names of the device kernels one forward launches: the proof that they ran. Without
-        `profile` (the candidate defines no kernels) an empty list, without starting a profiler."""
-        if not self.gpu:
-            return {"kernels": None}
-        if not profile:
-            return {"kernels": []}
-        from torch.profiler import ProfilerActivity, profile
-
-        model, x = self.current["model"], self.current["inputs"][0]
-        began = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
-            entered = time.perf_counter()
-            model(*x)
-            torch.cuda.synchronize()
-        stopped = time.perf_counter()
-        names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
-        return {"kernels": names[:200], "seconds": {"start": entered - began, "stop": stopped - entered,
-                                                   "events": time.perf_counter() - stopped}}
-
 
 def main() -> None:
     request = read_request() or {}
@@ -303,8 +280,6 @@ def main() -> None:
                 reply(arm.trace_start())
             elif op == "trace":
                 reply(arm.trace(command["shape"]))
-            elif op == "kernels":
-                reply(arm.kernels(bool(command.get("profile", True))))
             elif op == "quit":
                 reply({"bye": True})
                 break

@@ -157,6 +157,11 @@ def build_model(model_cls, case: dict[str, Any], device: torch.device):
     return model
 
 
+def input_bytes(values: list) -> int:
+    """Bytes held by the tensors among `values`."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
 def tensor_digest(values: list | tuple) -> str:
     """Hash of every tensor's bytes, dtype and shape (non-tensors by repr)."""
     h = hashlib.sha256()

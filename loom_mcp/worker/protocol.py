@@ -18,8 +18,9 @@ RESULT_FD_ENV = "LOOM_RESULT_FD"
 
 _sent = False
 # Wall-clock moments of this worker's life (epoch seconds), sent with its result, so the server
-# can say where a step's time went: interpreter start to imports, waiting, work, exit.
-_marks: dict[str, float] = {"interpreter": time.time()}
+# can say where a step's time went: imports, waiting, work.
+_marks: dict[str, float] = {}
+PR_SET_DUMPABLE = 4
 
 
 def mark(name: str) -> None:
@@ -70,7 +71,7 @@ def forbid_inspection() -> bool:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE, 0
+        return libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 import os
-import time
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from loom_mcp.worker.harness import (
     INPUT_KINDS,
     as_output_list,
     canonical_dtype,
+    input_bytes,
     load_module,
     make_case,
     pick_device,
@@ -95,10 +94,6 @@ def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dic
             for shape in shapes for i in range(seeds)]
 
 
-def _input_bytes(values: list) -> int:
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-
-
 def _model_value(task, name: str, shape: dict) -> float | None:
     fn = getattr(task, name, None)
     if fn is None:
@@ -117,7 +112,6 @@ def prepare_bench(request: dict) -> dict:
     device = pick_device(request.get("device"))
     nonce = secret_nonce(request)
     shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), nonce)]
-    target = int(request.get("rotate_bytes") or 0)
     out, meta = [], []
     for shape in shapes:
         sets = []
@@ -129,11 +123,9 @@ def prepare_bench(request: dict) -> dict:
                 state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
             sets.append({"seed": seed, "inputs": inputs, "init_inputs": init_inputs,
                          "state_dict": state if i == 0 else {}})
-            if len(sets) >= 2 and _input_bytes(inputs) * len(sets) >= target:
-                break
         out.append({"name": shape["name"], "sets": sets})
         meta.append({"name": shape["name"], "sets": len(sets),
-                     "input_bytes": _input_bytes(sets[0]["inputs"]),
+                     "input_bytes": input_bytes(sets[0]["inputs"]),
                      "flops": _model_value(task, "flops", shape),
                      "bytes_moved": _model_value(task, "bytes_moved", shape)})
     torch.save({"shapes": out}, request["cases_file"])
@@ -366,16 +358,12 @@ def validate(request: dict) -> dict:
 def main() -> None:
     forbid_inspection()  # it will hold reference outputs while a candidate runs beside it
     request = read_request() or {}
-    started = time.perf_counter()
     handler = {"validate": validate, "prepare_bench": prepare_bench}[request["mode"]]
     try:
         result = handler(request)
         result["error"] = None
     except Exception as exc:
         result = {"error": user_traceback(exc, request["task"])}
-    result["seconds"] = time.perf_counter() - started
-    if not math.isfinite(result["seconds"]):
-        result["seconds"] = None
     send_result(result)
 
 
