@@ -275,6 +275,10 @@ BENCH_FIELDS = {
     "top1_agreement",
     "bf16_prefill_ms",
     "bf16_prefill_tokens_per_s",
+    "prefill_ms",
+    "bf16_prefill_spread_ms",
+    "prefill_speedup_vs_bf16",
+    "bf16_torch_vs_reference",
     "graph_capture",
     "kernel_path",
     "device",
@@ -312,6 +316,17 @@ def test_bench_prints_one_json_line(source, written):
     for field in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "bf16_prefill_ms"):
         assert result[field] > 0, field
     assert result["per_token_latency_ms_p50"] <= result["per_token_latency_ms_p95"]
+    for spread in (result["prefill_ms"], result["bf16_prefill_spread_ms"]):
+        assert 0 < spread["p10"] <= spread["median"] <= spread["p90"] and spread["n"] == 10
+    assert result["bf16_prefill_spread_ms"]["median"] == result["bf16_prefill_ms"]
+    assert result["prefill_speedup_vs_bf16"] == pytest.approx(
+        result["bf16_prefill_ms"] / result["prefill_ms"]["median"]
+    )
+    # The control: bf16 PyTorch on the same tokens agrees with the fp32 reference on this tiny
+    # model too, and is less exact than the fp32 run above.
+    control = result["bf16_torch_vs_reference"]
+    assert control["top1_agreement"] > 0.9
+    assert result["max_abs_diff"] < control["max_abs_diff"] < 0.1 * result["max_abs_logit"]
     assert result["peak_memory_source"] == "cpu_peak_rss"
     assert result["peak_device_memory_bytes"] > 0
     assert result["graph_capture"] is False and result["kernel_path"] == "torch-fallback"

@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="activations and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)",
     )
     parser.add_argument("--runs", type=int, default=3, help="timed generations")
+    parser.add_argument("--prefill-runs", type=int, default=10,
+                        help="timed prefills of each model (ours and the bf16 one)")
     parser.add_argument("--reference", default="bf16", choices=["bf16", "none"])
     parser.add_argument("--no-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,8 +117,8 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "cpu_peak_rss"
 
 
-def time_prefill(model: Transformer, prompt: torch.Tensor, runs: int) -> float:
-    """Median ms of a last-position prefill (after one warm-up)."""
+def time_prefill(model: Transformer, prompt: torch.Tensor, runs: int) -> list[float]:
+    """ms of each of `runs` last-position prefills (after one warm-up)."""
     clock = Clock(prompt.device)
     input_pos = torch.arange(prompt.shape[1], device=prompt.device)
     times = []
@@ -127,14 +129,20 @@ def time_prefill(model: Transformer, prompt: torch.Tensor, runs: int) -> float:
         end = clock.now()
         clock.sync()
         times.append(clock.ms(start, end))
-    return statistics.median(times[1:])
+    return times[1:]
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """Median and the 10th/90th percentiles of a list of ms."""
+    return {"median": statistics.median(times), "p10": float(np.percentile(times, 10)),
+            "p90": float(np.percentile(times, 90)), "n": len(times)}
 
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict:
     opts = parse_args(argv)
-    if opts.runs < 1 or opts.prompt_len < 1 or opts.gen < 0 or opts.batch < 1:
-        raise SystemExit("need --runs >= 1, --prompt-len >= 1, --gen >= 0, --batch >= 1")
+    if opts.runs < 1 or opts.prefill_runs < 1 or opts.prompt_len < 1 or opts.gen < 0 or opts.batch < 1:
+        raise SystemExit("need --runs >= 1, --prefill-runs >= 1, --prompt-len >= 1, --gen >= 0, --batch >= 1")
     if opts.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -180,15 +188,31 @@ def main(argv: list[str] | None = None) -> dict:
     max_abs_diff = (checked.logits - expected).abs().max().item()
     top1 = (checked.logits.argmax(dim=-1) == expected.argmax(dim=-1)).float().mean().item()
     max_abs_logit = expected.abs().max().item()
-    del model, decode, checked, expected  # room for the bf16 model on the device
+    # Prefill alone, timed the same way as the bf16 model's below (a generation's TTFT also
+    # holds the first argmax and, with one or two runs, says little about spread).
+    prefill_times = time_prefill(model, prompt, opts.prefill_runs)
+    del model, decode, checked  # room for the bf16 model on the device
 
     bf16_prefill_ms = None
+    bf16_times: list[float] = []
+    control: dict[str, float] = {}
     if opts.reference == "bf16":
         dense = Transformer(
             args, weights, device=device, dtype=torch.bfloat16, ops=TORCH_OPS, dequantize=True
         )
-        dense.setup_caches(opts.batch, opts.prompt_len)
-        bf16_prefill_ms = time_prefill(dense, prompt, opts.runs)
+        dense.setup_caches(opts.batch, sequence.shape[1])
+        bf16_times = time_prefill(dense, prompt, opts.prefill_runs)
+        bf16_prefill_ms = statistics.median(bf16_times)
+        # The control for the logits check: plain PyTorch in bf16 on the same weights and tokens
+        # against the same fp32 reference. Our kernels' figures mean something only beside what
+        # bf16 arithmetic alone does to this model.
+        dense_logits = dense(sequence, torch.arange(sequence.shape[1], device=device)).float()
+        control = {
+            "max_abs_diff": (dense_logits - expected).abs().max().item(),
+            "top1_agreement": (dense_logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+        }
+        del dense, dense_logits
+    del expected
 
     prompt_tokens = opts.batch * opts.prompt_len
     decode_s = steps.sum() / 1e3
@@ -226,11 +250,17 @@ def main(argv: list[str] | None = None) -> dict:
         "top1_agreement": top1,
         "checked_positions": opts.batch * (opts.prompt_len + opts.gen),
         "reference": "fp32 plain PyTorch on the same dequantized weights",
+        "bf16_torch_vs_reference": control or None,
         "copy_bandwidth_bytes_per_s": copy_bytes_per_s,
         "decode_step_bytes": step_bytes,
         "decode_ceiling_tokens_per_s": ceiling_tps,
         "decode_fraction_of_ceiling": decode_tps / ceiling_tps if decode_tps else None,
+        "prefill_ms": spread(prefill_times),
         "bf16_prefill_ms": bf16_prefill_ms,
+        "bf16_prefill_spread_ms": spread(bf16_times) if bf16_prefill_ms is not None else None,
+        "prefill_speedup_vs_bf16": bf16_prefill_ms / statistics.median(prefill_times)
+        if bf16_prefill_ms is not None
+        else None,
         "bf16_prefill_tokens_per_s": prompt_tokens / (bf16_prefill_ms / 1e3)
         if bf16_prefill_ms is not None
         else None,
