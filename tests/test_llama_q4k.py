@@ -337,14 +337,17 @@ def test_bench_prints_one_json_line(source, written):
         tiny = CONFIGS["tiny"]
         weights = random_weights(tiny)
         table = weights["token_embd.weight"]
-        others = sum(w.numel() * w.element_size() for n, w in weights.items() if n != "token_embd.weight")
+        others = sum(
+            w.numel() * w.element_size() for n, w in weights.items() if n != "token_embd.weight"
+        )
         per_step = result["decode_step_bytes"]
         rope = tiny.head_dim // 2 * 4  # inv_freq, fp32, one tensor shared by the layers
         assert per_step["weights"] == others + 2 * table[0].numel() + rope
         kv = 2 * tiny.n_layers * 2 * tiny.n_kv_heads * (16 + 4) * tiny.head_dim * 4  # batch 2, fp32
         assert per_step["kv_cache"] == kv
         assert result["decode_fraction_of_ceiling"] == pytest.approx(
-            result["decode_tokens_per_s"] / result["decode_ceiling_tokens_per_s"])
+            result["decode_tokens_per_s"] / result["decode_ceiling_tokens_per_s"]
+        )
     if source == "gguf":
         assert result["dequantized_at_load"] == {"F32": 5, "F16": 1}
         assert result["tensor_types"]["Q4_K"] == 7 * ARGS.n_layers + 1

@@ -101,8 +101,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="activations and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)",
     )
     parser.add_argument("--runs", type=int, default=3, help="timed generations")
-    parser.add_argument("--prefill-runs", type=int, default=10,
-                        help="timed prefills of each model (ours and the bf16 one)")
+    parser.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=10,
+        help="timed prefills of each model (ours and the bf16 one)",
+    )
     parser.add_argument("--reference", default="bf16", choices=["bf16", "none"])
     parser.add_argument("--no-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--seed", type=int, default=0)
@@ -134,15 +138,27 @@ def time_prefill(model: Transformer, prompt: torch.Tensor, runs: int) -> list[fl
 
 def spread(times: list[float]) -> dict[str, float]:
     """Median and the 10th/90th percentiles of a list of ms."""
-    return {"median": statistics.median(times), "p10": float(np.percentile(times, 10)),
-            "p90": float(np.percentile(times, 90)), "n": len(times)}
+    return {
+        "median": statistics.median(times),
+        "p10": float(np.percentile(times, 10)),
+        "p90": float(np.percentile(times, 90)),
+        "n": len(times),
+    }
 
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict:
     opts = parse_args(argv)
-    if opts.runs < 1 or opts.prefill_runs < 1 or opts.prompt_len < 1 or opts.gen < 0 or opts.batch < 1:
-        raise SystemExit("need --runs >= 1, --prefill-runs >= 1, --prompt-len >= 1, --gen >= 0, --batch >= 1")
+    if (
+        opts.runs < 1
+        or opts.prefill_runs < 1
+        or opts.prompt_len < 1
+        or opts.gen < 0
+        or opts.batch < 1
+    ):
+        raise SystemExit(
+            "need --runs >= 1, --prefill-runs >= 1, --prompt-len >= 1, --gen >= 0, --batch >= 1"
+        )
     if opts.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -209,7 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         dense_logits = dense(sequence, torch.arange(sequence.shape[1], device=device)).float()
         control = {
             "max_abs_diff": (dense_logits - expected).abs().max().item(),
-            "top1_agreement": (dense_logits.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+            "top1_agreement": (dense_logits.argmax(-1) == expected.argmax(-1))
+            .float()
+            .mean()
+            .item(),
         }
         del dense, dense_logits
     del expected
