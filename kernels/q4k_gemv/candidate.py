@@ -56,10 +56,14 @@ class GemvConfig(NamedTuple):
 def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
     """Small tiles, one warp, x loaded per weight row: the fastest of 40 configurations for
     every Llama-3-8B shape at batch 1 in `tools/sweep_q4k.py` on an H200 (2026-11-30). K of
-    56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16."""
+    56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16. Below 4096 rows, one row
+    per program: two would leave the H200's 132 SMs with under 4 one-warp programs each
+    (1024 x 4096, batch 1: 4.42 us against 6.40 us at two rows; at 4096 rows two stay faster,
+    8.47 us against 8.93 us; H200, fifth session)."""
     block_kb = 16 if n_blocks % 16 == 0 else 8
     block_kb = min(block_kb, triton.next_power_of_2(n_blocks))
-    return GemvConfig(block_n=2, block_kb=block_kb, num_warps=1, x_per_row=True)
+    block_n = 2 if n_rows >= 4096 else 1
+    return GemvConfig(block_n=block_n, block_kb=block_kb, num_warps=1, x_per_row=True)
 
 
 @triton.jit
