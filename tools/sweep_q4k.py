@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep the Q4_K kernels' tile configurations on a GPU and print effective bandwidth.
 
-    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm,rmsnorm]
+    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm,rmsnorm,floor]
 
 Each configuration runs on rotating weight copies whose total exceeds 3x the L2 cache, inside
 one CUDA graph (so launch gaps and L2 hits do not flatter it); the figure is the median over
@@ -158,6 +158,85 @@ def sweep_gemv(rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
+def read_kernels():
+    """Two kernels that only read a Q4_K weight and fold its words into one number: the floor a
+    GEMV timed the same way cannot beat. `tiled` walks the weight as q4k_gemv's default tiling
+    does at K = 4096 (two rows and 16 blocks per one-warp program, the header word and each
+    chunk's 32 bytes as separate loads); `flat` streams 16 KB contiguous per four-warp program."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_tiled(w_ptr, out_ptr, n_rows, n_blocks, w_row_words, BLOCK_N: tl.constexpr,
+                   BLOCK_KB: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_words = tl.multiple_of(tl.minimum(rows, n_rows - 1).to(tl.int64) * w_row_words, 4)
+        kbs = tl.arange(0, BLOCK_KB)
+        words8 = tl.arange(0, 8)
+        acc = tl.zeros([BLOCK_N, BLOCK_KB, 8], dtype=tl.int32)
+        for kb0 in range(0, n_blocks, BLOCK_KB):
+            block_words = row_words[:, None] + tl.minimum(kb0 + kbs, n_blocks - 1)[None, :] * 36
+            acc += tl.load(w_ptr + block_words)[:, :, None]
+            for c in tl.static_range(4):
+                code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
+                acc ^= tl.load(w_ptr + code_words[:, :, None] + words8[None, None, :])
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)
+        tl.store(out_ptr + rows, total, mask=rows < n_rows)
+
+    @triton.jit
+    def read_flat(w_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+        offsets = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in tl.static_range(STEPS):
+            index = base + i * BLOCK + offsets
+            acc ^= tl.load(w_ptr + index, mask=index < n_words, other=0)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+    def tiled(weight: torch.Tensor) -> torch.Tensor:
+        n_rows, n_blocks = weight.shape[0], weight.shape[1] // 144
+        out = torch.empty(n_rows, dtype=torch.int32, device=weight.device)
+        grid = (triton.cdiv(n_rows, 2),)
+        read_tiled[grid](weight.view(torch.int32), out, n_rows, n_blocks, n_blocks * 36,
+                         BLOCK_N=2, BLOCK_KB=min(16, triton.next_power_of_2(n_blocks)), num_warps=1)
+        return out
+
+    def flat(weight: torch.Tensor) -> torch.Tensor:
+        words = weight.view(torch.int32).reshape(-1)
+        grid = (triton.cdiv(words.numel(), 4096),)
+        out = torch.empty(grid[0], dtype=torch.int32, device=weight.device)
+        read_flat[grid](words, out, words.numel(), BLOCK=1024, STEPS=4, num_warps=4)
+        return out
+
+    return {"tiled": tiled, "flat": flat}
+
+
+def sweep_floor(rows: list[dict]) -> None:
+    """The read-only floors at the batch-1 Llama shapes, beside the GEMV's own time."""
+    task = load(REPO / "kernels/q4k_gemv/task.py", "floor_gemv_task")
+    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "floor_gemv_cand")
+    readers = read_kernels()
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]:
+
+        def make(n=n, k=k):
+            x, w = task.get_inputs(batch=1, n=n, k=k)
+            return x.cuda(), w.cuda()
+
+        sets = rotating_sets(make, n * k // 256 * 144)
+        weight_bytes = task.bytes_moved(batch=1, n=n, k=k)
+        timings = {"q4k_gemv": time_rotating(cand.q4k_gemv, sets)}
+        for name, reader in readers.items():
+            timings[f"read_{name}"] = time_rotating(lambda x, w, reader=reader: reader(w), sets)
+        for name, timing in timings.items():
+            rows.append(table_row(name, [1, n, k], "default", timing,
+                                  tb_s=weight_bytes / timing[0] / 1e12))
+        print(f"floor {n}x{k}: " + "; ".join(
+            f"{name} {t[0] * 1e6:.2f} us ({weight_bytes / t[0] / 1e12:.2f} TB/s)"
+            for name, t in timings.items()), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def sweep_gemm(rows: list[dict]) -> None:
     path = REPO / "kernels/q4k_gemm/candidate.py"
     if not path.exists():
@@ -278,6 +357,8 @@ def main() -> int:
             sweep_gemm(rows)
         if "rmsnorm" in args.only:
             sweep_rmsnorm(rows)
+        if "floor" in args.only:
+            sweep_floor(rows)
     finally:
         (args.out / "sweep_q4k.json").write_text(json.dumps(rows, indent=1))
     return 0
