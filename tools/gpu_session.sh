@@ -14,6 +14,7 @@
 #   repeat      CV of the median over 5 benchmark calls, a >= 20 us and a <= 5 us kernel
 #   sweep       Q4_K GEMV tilings (CUDA-core and tensor-core kernels) and rmsnorm rows per program
 #   floor       the Q4_K GEMV against kernels that only read its weight (tiled as it is, and flat)
+#   cuda        the hand-written CUDA Q4_K GEMV (tools/q4k_gemv_cuda.cu) against the Triton one
 #   kernels     the roofline table of every kernel task
 #   loop        every kernel task through submit_candidate over MCP (evidence ids)
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
@@ -40,6 +41,8 @@ case "$phase" in
     timeout 300 python3 tools/sweep_q4k.py --only gemv,rmsnorm --out "$out" | grep -v Warn | tail -30 ;;
   floor)
     timeout 200 python3 tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
+  cuda)
+    timeout 200 python3 tools/probe_q4k_cuda.py --out "$out" 2>&1 | grep -v Warn | tail -10 ;;
   kernels)
     timeout 260 python3 tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
     tail -40 "$out/bench_kernels.log" ;;

@@ -1,12 +1,11 @@
-// First attempt at a hand-written CUDA Q4_K GEMV (fifth session), kept as the starting point for the
-// CUDA path. Built on the CPU machine with `nvcc -cubin -arch=sm_90 -O3` (52 registers, no spills),
-// loaded on the H200 with the driver API through ctypes (cuModuleLoadData, cuLaunchKernel on torch's
-// current stream, dynamic shared memory n_blocks * 268 * 4 bytes, grid = SMs x CTAs per SM) and
-// timed like the Triton variants (L2-cold graph replay). Correct (max error against the naive
-// GEMV at bf16 rounding level) but slower than the Triton kernel: cuda_first_attempt.txt. Every
-// CTA rebuilds x in shared memory and each warp then streams about one row with nothing in flight
-// behind it, so it waits on latency twice; the next version wants many rows per warp with the
-// next row's loads issued before this row's arithmetic, and x prepared once.
+// A hand-written CUDA Q4_K GEMV: the first attempt at the CUDA path (fifth session). Run it on a GPU
+// with `python tools/probe_q4k_cuda.py` (nvcc builds it there; the driver API launches it). On the
+// H200 it matched the naive GEMV and was slower than the Triton kernel (29.78 us at 14336 x 4096;
+// docs/h200_2026-11-30_s5/gemv_experiments/cuda_first_attempt.txt): every CTA rebuilds x in shared
+// memory and each warp then streams about one row with nothing in flight behind it. The next
+// version wants many rows per warp, the next row's loads issued before this row's arithmetic, and
+// x prepared once.
+//
 // Q4_K GEMV, batch 1, bf16 x and y, fp32 arithmetic. Each warp streams whole rows: lane (b, h) holds
 // block b of the 16 in flight and chunks 2h, 2h+1 of it. x lives in shared memory as fp32, padded per
 // block so the lanes of a warp do not share banks, with per-sub-block sums beside it.
