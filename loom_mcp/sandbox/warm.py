@@ -76,7 +76,8 @@ def prewarm(template: JobSpec, pool_dir: Path) -> None:
             return
     worker = _fresh(template, pool_dir)
     with _lock:
-        surplus = [w for w in [_idle.pop(key, None)] if w is not None]
+        replaced = _idle.pop(key, None)  # died since the check above, or raced by another call
+        surplus = [replaced] if replaced is not None else []
         _idle[key] = worker
         while len(_idle) > MAX_IDLE:
             surplus.append(_idle.pop(next(iter(_idle))))

@@ -142,7 +142,8 @@ async def validate_candidate(
     finally:
         # The inputs and outputs are scratch (the evidence is in the ledger), and big: hundreds
         # of MB per validation that would otherwise pile up over a campaign.
-        remove_scratch(cases_file, outputs_file)
+        for scratch in (cases_file, outputs_file):
+            scratch.unlink(missing_ok=True)
         if reference.alive() and "ref" not in jobs.results:
             reference.discard()
     if "error" in outcome:
@@ -156,11 +157,6 @@ async def validate_candidate(
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
-
-
-def remove_scratch(*paths: Path) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
 
 
 class StepJobs:
