@@ -14,9 +14,9 @@
 #   repeat      CV of the median over 5 benchmark calls, a >= 20 us and a <= 5 us kernel
 #   sweep       Q4_K GEMV tilings (CUDA-core and tensor-core kernels) and rmsnorm rows per program
 #   floor       the Q4_K GEMV against kernels that only read its weight (tiled as it is, and flat)
-#   cuda        the hand-written CUDA Q4_K GEMV (tools/q4k_gemv_cuda.cu) against the Triton one
+#   cuda        the candidate's CUDA batch-1 Q4_K GEMV: checks, then timed against its Triton kernel
 #   kernels     the roofline table of every kernel task
-#   loop        every kernel task through submit_candidate over MCP (evidence ids)
+#   loop        every kernel task (or $LOOP_TASKS, comma-separated) through submit_candidate over MCP
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
 # Several phases in one call: bash tools/gpu_session.sh verify turnaround kernels
 set -uo pipefail
@@ -42,12 +42,12 @@ case "$phase" in
   floor)
     timeout 200 python3 tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
   cuda)
-    timeout 200 python3 tools/probe_q4k_cuda.py --out "$out" 2>&1 | grep -v Warn | tail -10 ;;
+    timeout 300 python3 tools/probe_q4k_cuda.py --out "$out" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} 2>&1 | grep -v Warn | tail -24 ;;
   kernels)
     timeout 260 python3 tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
     tail -40 "$out/bench_kernels.log" ;;
   loop)
-    timeout 570 python3 tools/kernels_campaign.py --out "$out" --home /tmp/loom-kc 2>&1 \
+    timeout 570 python3 tools/kernels_campaign.py --out "$out" --home /tmp/loom-kc ${LOOP_TASKS:+--tasks $LOOP_TASKS} 2>&1 \
       | grep -v "pairs,\|running [0-9]" | tail -60 ;;
   model)
     timeout 560 python3 -m kernels.llama_q4k.bench --random-config llama3-8b --gen 64 --runs 2 \

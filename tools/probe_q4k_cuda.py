@@ -1,26 +1,21 @@
 #!/usr/bin/env python3
-"""Time a hand-written CUDA Q4_K GEMV against the kernel in kernels/q4k_gemv, on a GPU.
+"""Check and time the CUDA batch-1 Q4_K GEMV of kernels/q4k_gemv/candidate.py on a GPU.
 
-    python tools/probe_q4k_cuda.py [--source tools/q4k_gemv_cuda.cu] [--threads 256] [--ctas-per-sm 0]
+    python tools/probe_q4k_cuda.py [--out DIR] [--replays 30]
 
-The .cu file is built with nvcc to a cubin for this GPU, loaded with the CUDA driver API through
-ctypes (no extension build, no ninja), and launched on torch's current stream, so CUDA-graph
-capture records it like any other kernel. The kernel's contract: `extern "C" __global__ void
-q4k_gemv_b1(const uint4* W, const bf16* x, bf16* y, int n_rows, int n_blocks)`, batch 1, dynamic
-shared memory of n_blocks * 268 * 4 bytes. Timing is tools/sweep_q4k.py's: L2-cold rotating
-weights, one CUDA graph, median and P10/P90 over replays. Each result is checked against the naive
-GEMV (kernels/q4k_gemv/baseline.py) before it is timed.
+First every case below is checked against a float64 product of the gguf-exact dequantization
+(the task's own `check`): Llama shapes, odd row counts, short K, fp16 and bf16, and x scaled by
+64 and 1e-3, heavy-tailed, or with whole sub-blocks of zeros. Then the CUDA kernel and the
+Triton kernel are timed on the Llama-3-8B shapes the way tools/sweep_q4k.py times them: L2-cold
+rotating weights, one CUDA graph, median and P10/P90 over replays. Writes probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,138 +23,123 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_q4k import REPO, load, rotating_sets, time_rotating  # noqa: E402
 
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
-SMEM_FLOATS_PER_BLOCK = 268  # the kernel's padded x (260) and per-sub-block sums (8)
+TIMED = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
+CHECKED = [
+    (4096, 4096, "bfloat16", "plain"),
+    (14336, 4096, "bfloat16", "plain"),
+    (4096, 14336, "bfloat16", "plain"),
+    (1024, 4096, "float16", "plain"),
+    (100, 768, "bfloat16", "plain"),
+    (9, 1280, "float16", "plain"),
+    (256, 512, "bfloat16", "times64"),
+    (4096, 4096, "bfloat16", "times1e-3"),
+    (4096, 4096, "bfloat16", "heavy_tails"),
+    (4096, 4096, "float16", "heavy_tails"),
+    (300, 2048, "bfloat16", "zero_subblocks"),
+]
 
 
-def check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what} failed: CUresult {rc}")
-
-
-class CudaGemv:
-    """The cubin's q4k_gemv_b1, launched through the driver API."""
-
-    def __init__(self, cubin: bytes, threads: int, ctas_per_sm: int) -> None:
-        torch.empty(1, device="cuda")  # torch's primary context becomes current on this thread
-        self.cuda = ctypes.CDLL("libcuda.so.1")
-        self.module, self.fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self._keep = ctypes.create_string_buffer(cubin)
-        check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), self._keep), "cuModuleLoadData")
-        check(
-            self.cuda.cuModuleGetFunction(ctypes.byref(self.fn), self.module, b"q4k_gemv_b1"),
-            "cuModuleGetFunction",
-        )
-        # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: x for K = 14336 needs about 60 KB
-        check(self.cuda.cuFuncSetAttribute(self.fn, 8, 200 * 1024), "cuFuncSetAttribute")
-        self.threads, self.ctas_per_sm = threads, ctas_per_sm
-        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.grids: dict[int, int] = {}
-
-    def grid(self, n_blocks: int, smem: int) -> int:
-        if n_blocks not in self.grids:
-            per_sm = ctypes.c_int()
-            check(
-                self.cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    ctypes.byref(per_sm), self.fn, self.threads, ctypes.c_size_t(smem)
-                ),
-                "occupancy",
-            )
-            self.grids[n_blocks] = self.sms * (self.ctas_per_sm or per_sm.value)
-        return self.grids[n_blocks]
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        assert x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_contiguous()
-        n_rows, n_blocks = weight.shape[0], weight.shape[1] // 144
-        out = torch.empty((1, n_rows), dtype=x.dtype, device=x.device)
-        smem = n_blocks * SMEM_FLOATS_PER_BLOCK * 4
-        warps_per_cta = self.threads // 32
-        grid = min(self.grid(n_blocks, smem), -(-n_rows // warps_per_cta))
-        args = [
-            ctypes.c_void_p(weight.data_ptr()),
-            ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(n_rows),
-            ctypes.c_int(n_blocks),
-        ]
-        params = (ctypes.c_void_p * len(args))(
-            *[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args]
-        )
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        check(
-            self.cuda.cuLaunchKernel(
-                self.fn, grid, 1, 1, self.threads, 1, 1, smem, stream, params, None
-            ),
-            "cuLaunchKernel",
-        )
-        return out
-
-
-def build(source: Path) -> bytes:
-    major, minor = torch.cuda.get_device_capability()
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        subprocess.run(
-            [
-                "nvcc",
-                "-cubin",
-                f"-arch=sm_{major}{minor}",
-                "-O3",
-                "-Xptxas",
-                "-v",
-                "-o",
-                str(cubin),
-                str(source),
-            ],
-            check=True,
-        )
-        return cubin.read_bytes()
+def stressed(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "times64":
+        return x * 64
+    if how == "times1e-3":
+        return x * 1e-3
+    if how == "heavy_tails":  # log-normal magnitudes over eight orders
+        return (x.float() * torch.exp(2.0 * torch.randn_like(x.float()))).to(x.dtype)
+    if how == "zero_subblocks":
+        x = x.clone()
+        x.view(x.shape[0], -1, 32)[:, ::3] = 0
+        return x
+    return x
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", type=Path, default=Path(__file__).with_name("q4k_gemv_cuda.cu"))
-    parser.add_argument("--threads", type=int, default=256)
-    parser.add_argument("--ctas-per-sm", type=int, default=0, help="0: as many as fit")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="extra builds to time, as stages:ctas_per_sm:min_ctas[:DEFINE...], e.g. 2:0:2,4:0:2:USE_TMA",
+    )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "cuda_probe_base")
     cand = load(REPO / "kernels/q4k_gemv/candidate.py", "cuda_probe_cand")
-    cuda_gemv = CudaGemv(build(args.source), args.threads, args.ctas_per_sm)
-    rows = []
-    for n, k in SHAPES:
+    kernel = cand.cuda_gemv_b1(torch.device("cuda"))
+    if kernel is None:
+        print("the CUDA kernel did not load", file=sys.stderr)
+        return 1
+    variants = {}
+    for spec in filter(None, args.variants.split(",")):
+        fields = spec.split(":")
+        stages, per_sm, min_ctas = (int(v) for v in (fields[:3] + ["2"])[:3])
+        defines = tuple(fields[3:])  # preprocessor switches of the CUDA source, e.g. USE_TMA
+        variants["_".join([f"cuda_s{stages}_c{per_sm}_m{min_ctas}", *defines])] = cand.CudaGemvB1(
+            torch.device("cuda"), stages, per_sm, min_ctas, defines
+        )
+    result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
+    failures = 0
+    torch.manual_seed(0)
+    for n, k, dtype, how in CHECKED:
+        x, w = task.get_inputs(batch=1, n=n, k=k, dtype=dtype)
+        x, w = stressed(x, how).cuda(), w.cuda()
+        want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+        got = cand.q4k_gemv(x, w)
+        torch.cuda.synchronize()
+        ok = bool(task.check(got, want))
+        diff = (got.double() - want.double()).abs()
+        rms = want.double().pow(2).mean().sqrt().item()
+        line = {
+            "shape": [1, n, k],
+            "dtype": dtype,
+            "x": how,
+            "ok": ok,
+            "max_abs_diff": diff.max().item(),
+            "max_diff_over_rms": diff.max().item() / max(rms, 1e-300),
+        }
+        failures += not ok
+        result["checks"].append(line)
+        print(json.dumps(line), flush=True)
+    for n, k in TIMED:
 
         def make(n=n, k=k):
             x, w = task.get_inputs(batch=1, n=n, k=k)
             return x.cuda(), w.cuda()
 
         sets = rotating_sets(make, n * k // 256 * 144)
-        x0, w0 = sets[0]
-        expected = base.ModelNew()(x0, w0).double()
-        got = cuda_gemv(x0, w0).double()
-        torch.cuda.synchronize()
-        ok = bool(task.check(got, expected))
-        line = {"shape": [1, n, k], "matches_naive": ok}
-        for name, fn in (("cuda", cuda_gemv), ("triton", cand.q4k_gemv)):
-            med, p10, p90 = time_rotating(fn, sets, replays=30)
+        config = cand.pick_config(n, k // 256, 1)
+        line = {"shape": [1, n, k], "sets": len(sets)}
+        timed = [
+            ("cuda", lambda x, w: cand.q4k_gemv(x, w)),
+            ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
+        ]
+        for name, variant in variants.items():
+
+            def run(x, w, variant=variant, n=n):
+                out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+                variant(x, w, out)
+                return out
+
+            timed.append((name, run))
+        for name, fn in timed:
+            x0, w0 = sets[0]
+            agrees = bool(torch.equal(fn(x0, w0), cand.q4k_gemv(x0, w0)))
+            med, p10, p90 = time_rotating(fn, sets, replays=args.replays)
             line[name] = {
-                "us": med * 1e6,
-                "p10_us": p10 * 1e6,
-                "p90_us": p90 * 1e6,
-                "tb_s": task.bytes_moved(batch=1, n=n, k=k) / med / 1e12,
+                "us": round(med * 1e6, 3),
+                "p10_us": round(p10 * 1e6, 3),
+                "p90_us": round(p90 * 1e6, 3),
+                "tb_s": round(task.bytes_moved(batch=1, n=n, k=k) / med / 1e12, 3),
+                "same_as_cuda": agrees,
             }
-        rows.append(line)
-        print(
-            f"{n}x{k}: matches naive {ok}; cuda {line['cuda']['us']:.2f} us "
-            f"({line['cuda']['tb_s']:.2f} TB/s); triton {line['triton']['us']:.2f} us",
-            flush=True,
-        )
+        result["timings"].append(line)
+        print(json.dumps(line), flush=True)
         del sets
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "probe_q4k_cuda.json").write_text(json.dumps(rows, indent=1))
-    return 0
+    (args.out / "probe_q4k_cuda.json").write_text(json.dumps(result, indent=1))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
