@@ -92,6 +92,7 @@ CODEX_ENV_VARS: tuple[str, ...] = (
     "XDG_STATE_HOME",
     "XDG_CACHE_HOME",
     "TRITON_CACHE_DIR",
+    "TORCH_EXTENSIONS_DIR",
 )
 # Codex's defaults (10 s start, 60 s per call) are too short: the first start probes the
 # toolchain, and a benchmark or validation over a shape sweep runs for minutes.

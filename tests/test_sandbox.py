@@ -403,8 +403,10 @@ import os, json
 report = {}
 for name, path in [("outside", os.environ["OUTSIDE"]), ("job_dir", os.path.join(os.environ["LOOM_JOB_DIR"], "a")),
                    ("writable", os.path.join(os.environ["EXTRA"], "b")),
-                   ("triton_cache", os.path.join(os.environ["TRITON_CACHE_DIR"], "c"))]:
+                   ("triton_cache", os.path.join(os.environ["TRITON_CACHE_DIR"], "c")),
+                   ("torch_extensions", os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "ext", "d"))]:
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as load_inline makes its build dir
         with open(path, "w") as f:
             f.write("written by the job")
         report[name] = "ok"
@@ -419,7 +421,8 @@ print(json.dumps(report))
 @pytest.mark.anyio
 async def test_a_job_cannot_write_outside_its_own_directories(tmp_path: Path) -> None:
     """Candidate code must not be able to rewrite the task, the harness, the ledger or another
-    file's compile cache for the jobs that come after it."""
+    file's compile cache for the jobs that come after it; its own build caches (Triton's and
+    load_inline's) stay writable."""
     outside = tmp_path / "task.py"
     outside.write_text("TOLERANCE = 'strict'\n")
     extra = tmp_path / "cache" / "one-file"
@@ -431,7 +434,7 @@ async def test_a_job_cannot_write_outside_its_own_directories(tmp_path: Path) ->
         pytest.skip("this kernel gives jobs no mount namespace or no mount_setattr")
     report = json.loads(result.stdout_tail)
     assert report == {"outside": "Read-only file system", "job_dir": "ok", "writable": "ok",
-                      "triton_cache": "ok"}
+                      "triton_cache": "ok", "torch_extensions": "ok"}
     assert outside.read_text() == "TOLERANCE = 'strict'\n"
     assert (extra / "b").read_text() == "written by the job"
 
@@ -545,3 +548,20 @@ def test_a_trusted_worker_hides_its_memory_from_the_same_user(forbid: bool) -> N
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_compile_caches_live_in_the_code_cache(tmp_path: Path) -> None:
+    """Triton's and load_inline's builds of one source land in that source's cache directory,
+    shared by its compile, validation and benchmark jobs and by no other file."""
+    from loom_mcp.sandbox import code_cache, code_cache_env
+
+    run = tmp_path / "jobs" / "v1"
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("x = 2\n")
+    cache = code_cache(run, a)
+    env = code_cache_env(cache)
+    assert env["TRITON_CACHE_DIR"] == str(cache)
+    assert Path(env["TORCH_EXTENSIONS_DIR"]).parent == cache
+    assert code_cache(tmp_path / "jobs" / "v2", a) == cache  # another job, same bytes
+    assert code_cache(run, b) != cache

@@ -3,7 +3,7 @@
 # Usage there: bash tools/device_setup.sh <command...>
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # bin: ninja, for load_inline
 bindir=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
 printf '#!/bin/sh\nexec %s -m loom_mcp.cli "$@"\n' "$(python3 -c 'import sys; print(sys.executable)')" > "$bindir/loom-mcp"
 chmod +x "$bindir/loom-mcp"

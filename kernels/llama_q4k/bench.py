@@ -45,6 +45,7 @@ import triton
 from kernels.llama_q4k.generate import Clock, DecodeStep, generate
 from kernels.llama_q4k.model import CONFIGS, TORCH_OPS, Transformer, reference_logits
 from kernels.llama_q4k.weights import load_gguf, random_weights
+from kernels.q4k_gemv.candidate import cuda_gemv_b1
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -283,7 +284,14 @@ def main(argv: list[str] | None = None) -> dict:
         if bf16_prefill_ms is not None
         else None,
         "kernel_path": "triton" if on_gpu or interpreted else "torch-fallback",
-        "decode_linear": "q4k_gemv candidate",
+        "decode_linear": "q4k_gemv candidate: "
+        + (
+            "CUDA tensor-core kernel at batch 1, Triton above"
+            if on_gpu and cuda_gemv_b1(torch.device(device)) is not None
+            else "Triton"
+            if on_gpu or interpreted
+            else "torch"
+        ),
         "prefill_linear": "q4k_gemm candidate (Triton dequantization + dense matmul)",
         "graph_capture": use_graph,
         "device": torch.cuda.get_device_name(device)

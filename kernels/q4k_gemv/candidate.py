@@ -1,7 +1,14 @@
-"""Fused Q4_K GEMV in Triton: y = x @ W.T with W dequantized in registers, never in memory.
+"""Fused Q4_K GEMV: y = x @ W.T with W dequantized in registers, never in memory.
 
 Decode reads every weight once per token, so the kernel is a race to stream 0.5625 bytes per
-weight at HBM speed. What it does for that:
+weight at HBM speed. Two kernels:
+
+- Batch 1 on NVIDIA Hopper (sm_90+): a CUDA kernel on the tensor cores (`CUDA_SOURCE` below,
+  built at first use with torch.utils.cpp_extension.load_inline; needs nvcc and ninja). On an
+  H200 it reads the 33 MB Llama-3-8B projections at 2.3-2.5 TB/s, against 1.3-1.4 TB/s for the
+  Triton kernel. Where it cannot be built, the Triton kernel runs instead.
+- Everything else (batches 2-8, AMD GPUs, the CPU interpreter): the Triton kernel, which does
+  this:
 
 - The weight bytes are read as int32 words (a Q4_K block is 36 words: d|dmin, 3 words of
   packed 6-bit scales and mins, 32 words of codes), so the 128 code bytes of a block come in as
@@ -23,8 +30,9 @@ FMA stay on the CUDA cores. It is correct under the interpreter and lowers to Ho
 without spills; `pick_config` keeps the CUDA-core kernel, the faster one measured so far, until
 `tools/sweep_q4k.py` has timed this one on a GPU.
 
-Where it runs: on a GPU tensor (CUDA or ROCm) the Triton kernel always runs. On a CPU tensor the
-kernel runs only under the interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
+Where it runs: on a GPU tensor, the CUDA kernel at batch 1 on sm_90+ (LOOM_Q4K_CUDA=0 turns it
+off) and the Triton kernel otherwise. On a CPU tensor the Triton kernel runs only under the
+interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
 without it, `forward` dequantizes with torch and multiplies in fp32, so the model works anywhere.
 
 Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `python candidate.py`.
@@ -308,14 +316,15 @@ def q4k_gemv_mma_kernel(
 # --- The CUDA path: batch 1 on NVIDIA tensor cores --------------------------------------------
 #
 # Measured on the H200, the Triton kernel above is bound by instruction issue and L1 (about 8
-# instructions per weight), and Triton would not give the layout that fixes it. This kernel
-# is plain CUDA, built at first use by NVRTC (the runtime compiler that ships with PyTorch's
-# CUDA wheels) and launched through the driver API, so no extension build or ninja is needed,
-# and graph capture records it like any other kernel. Per 16 rows x 256 weights it costs
-# about 230 warp instructions:
+# instructions per weight), and Triton would not give the layout that fixes it. This kernel is
+# plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
+# cached per source) and launched on PyTorch's current stream, so graph capture records it.
+# Per 16 rows x 256 weights it costs about 230 warp instructions, against about 2,100 for the
+# Triton kernel:
 #
-# - The weights stream through shared memory with cp.async (16-byte copies, each warp
-#   instruction 512 contiguous bytes), four tiles in flight per warp.
+# - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
+#   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
+#   a block of each chunk and release the slot as soon as its codes are in registers.
 # - Codes become fp16 `1024 + q` (or `1024 + 16 q` for high nibbles) with one LOP3 per pair,
 #   and go straight to `mma.sync.m16n8k16` as the A operand: no per-weight FMA at all.
 # - B's column n holds x of sub-block n only (zeros elsewhere), so one MMA chain per block
@@ -324,7 +333,8 @@ def q4k_gemv_mma_kernel(
 # - x is scaled per sub-block by a power of two into fp16's range, so bf16 activations of any
 #   size keep their 8 significant bits; the scale is undone exactly in fp32.
 CUDA_SOURCE = r"""
-// Q4_K GEMV, batch 1, on the tensor cores. No includes: NVRTC and nvcc both build it as is.
+// Q4_K GEMV, batch 1, on the tensor cores.
+#include <cuda_runtime.h>
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -430,8 +440,8 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
 // sub-block n only, so D[r][n] is sub-block n's sum of (1024 + q) x for row r, and lane
 // (g, t) ends up holding rows g, g+8 for sub-blocks 2t, 2t+1: the scales it needs are its own
 // chunk's.
-extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
-q4k_gemv_b1(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
+__global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
+q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
             int n_rows, int n_blocks, int x_is_bf16) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -628,6 +638,48 @@ q4k_gemv_b1(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16*
     }
   }
 }
+
+// Host side, called from the C++ binding below with PyTorch's current stream.
+// The kernel may use up to `max_bytes` of dynamic shared memory (set once: lowering it later
+// would make launches that need more fail).
+bool q4k_gemv_b1_allow(int max_bytes) {
+  const bool ok = cudaFuncSetAttribute(q4k_gemv_b1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       max_bytes) == cudaSuccess;
+  if (!ok) cudaGetLastError();
+  return ok;
+}
+
+int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memory; 0: too big
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, q4k_gemv_b1_kernel, (WARPS + 1) * 32, shared_bytes);
+  return per_sm;
+}
+
+void q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, cudaStream_t stream) {
+  q4k_gemv_b1_kernel<<<grid, (WARPS + 1) * 32, shared_bytes, stream>>>(
+      static_cast<const unsigned char*>(W), static_cast<const u16*>(x), static_cast<u16*>(y),
+      n_rows, n_blocks, x_is_bf16);
+}
+"""
+
+CUDA_BINDING = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+bool q4k_gemv_b1_allow(int max_bytes);
+int q4k_gemv_b1_resident(int shared_bytes);
+void q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, cudaStream_t stream);
+
+bool allow(int64_t max_bytes) { return q4k_gemv_b1_allow((int)max_bytes); }
+int64_t resident(int64_t shared_bytes) { return q4k_gemv_b1_resident((int)shared_bytes); }
+
+void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t grid, int64_t shared_bytes) {
+  q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
+                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)grid,
+                     (int)shared_bytes, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+}
 """
 
 CUDA_WARPS, CUDA_ROWS, CUDA_STAGES, CUDA_MIN_CTAS = 8, 16, 3, 2
@@ -647,61 +699,9 @@ def cuda_shared_bytes(n_blocks: int, stages: int = CUDA_STAGES) -> int:
     )
 
 
-def _nvrtc_candidates() -> list[str]:
-    """libnvrtc shipped with the CUDA wheels PyTorch depends on, then the toolkit's."""
-    import glob
-    import site
-
-    roots = [*site.getsitepackages(), site.getusersitepackages(), os.path.dirname(torch.__file__)]
-    found = []
-    for root in roots:
-        for pattern in ("nvidia/*/lib/libnvrtc.so*", "nvidia/*/*/lib/libnvrtc.so*", "lib/libnvrtc*.so*"):
-            found += sorted(glob.glob(os.path.join(root, pattern)))
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
-    return [path for path in found if "builtins" not in os.path.basename(path)]
-
-
-def compile_cuda(source: str, arch: str, defines: tuple[str, ...] = ()) -> bytes:
-    """`source` compiled by NVRTC into a cubin for `arch` (for example "sm_90")."""
-    import ctypes
-
-    errors = []
-    for path in _nvrtc_candidates():
-        try:
-            nvrtc = ctypes.CDLL(path)
-        except OSError as exc:
-            errors.append(f"{path}: {exc}")
-            continue
-        program = ctypes.c_void_p()
-        if nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"q4k_gemv.cu", 0, None, None):
-            errors.append(f"{path}: nvrtcCreateProgram failed")
-            continue
-        try:
-            options = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
-            options += [f"-D{define}".encode() for define in defines]
-            array = (ctypes.c_char_p * len(options))(*options)
-            status = nvrtc.nvrtcCompileProgram(program, len(options), array)
-            log_size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(log_size))
-            log = ctypes.create_string_buffer(log_size.value)
-            nvrtc.nvrtcGetProgramLog(program, log)
-            if status:
-                raise RuntimeError(f"NVRTC ({path}) could not compile for {arch}:\n{log.value.decode()}")
-            size = ctypes.c_size_t()
-            if nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)) or not size.value:
-                raise RuntimeError(f"NVRTC ({path}) gave no cubin for {arch}")
-            cubin = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetCUBIN(program, cubin)
-            return cubin.raw
-        finally:
-            nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    raise RuntimeError("no usable libnvrtc found: " + ("; ".join(errors) or "none installed"))
-
-
 class CudaGemvB1:
-    """The CUDA kernel, loaded into the current device's primary context (PyTorch's)."""
+    """The CUDA kernel for one device, built by load_inline (one build per source and
+    compile-time setting, cached by PyTorch under TORCH_EXTENSIONS_DIR)."""
 
     def __init__(
         self,
@@ -713,91 +713,53 @@ class CudaGemvB1:
     ) -> None:
         """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
         `min_ctas`: the CTAs per SM the compiler must leave registers for."""
-        import ctypes
+        from torch.utils.cpp_extension import load_inline
 
         major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            raise RuntimeError(f"needs sm_80 or newer (cp.async, m16n8k16); this GPU is sm_{major}{minor}")
-        self.device = device
+        if major < 9:
+            raise RuntimeError(f"needs sm_90 (bulk copies, mbarriers); this GPU is sm_{major}{minor}")
+        flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}", *defines]
         with torch.cuda.device(device):
-            torch.cuda.current_stream(device).synchronize()  # the primary context is current now
-            cubin = compile_cuda(CUDA_SOURCE, f"sm_{major}{minor}", (f"STAGES={stages}", f"MIN_CTAS={min_ctas}", *defines))
-            self.stages, self.ctas_per_sm = stages, ctas_per_sm
-            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-            self.grids: dict[int, int] = {}
-            self.cuda = ctypes.CDLL("libcuda.so.1")
-            self.cuda.cuLaunchKernel.argtypes = [
-                ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-            ]
-            self._image = ctypes.create_string_buffer(cubin)
-            self.module, self.function = ctypes.c_void_p(), ctypes.c_void_p()
-            self._check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), self._image), "cuModuleLoadData")
-            self._check(
-                self.cuda.cuModuleGetFunction(ctypes.byref(self.function), self.module, b"q4k_gemv_b1"),
-                "cuModuleGetFunction",
+            self.module = load_inline(
+                name="loom_q4k_gemv_b1_" + "_".join(flag.replace("=", "") for flag in flags).lower(),
+                cpp_sources=CUDA_BINDING,
+                cuda_sources=CUDA_SOURCE,
+                functions=["allow", "resident", "launch"],
+                extra_cuda_cflags=[
+                    "-O3",
+                    f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}",
+                    *[f"-D{flag}" for flag in flags],
+                ],
+                verbose=False,
             )
-            self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            self._check(self.cuda.cuFuncSetAttribute(self.function, 8, self.max_shared), "cuFuncSetAttribute")
-
-    @staticmethod
-    def _check(status: int, what: str) -> None:
-        if status:
-            raise RuntimeError(f"{what} failed: CUresult {status}")
+        self.stages, self.ctas_per_sm = stages, ctas_per_sm
+        self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        with torch.cuda.device(device):
+            if not self.module.allow(self.max_shared):
+                raise RuntimeError(f"could not allow {self.max_shared} bytes of shared memory")
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.per_sm: dict[int, int] = {}
 
     def fits(self, n_blocks: int) -> bool:
-        return cuda_shared_bytes(n_blocks, self.stages) <= self.max_shared
+        return cuda_shared_bytes(n_blocks, self.stages) <= self.max_shared and self._resident(n_blocks) > 0
+
+    def _resident(self, n_blocks: int) -> int:
+        if n_blocks not in self.per_sm:
+            self.per_sm[n_blocks] = int(self.module.resident(cuda_shared_bytes(n_blocks, self.stages)))
+        return self.per_sm[n_blocks]
 
     def grid(self, n_rows: int, n_blocks: int) -> int:
         """The persistent grid: at most every SM full of resident CTAs, and no more CTAs than
         it takes to give each the same number of 16-row tiles (896 tiles on 264 resident
         CTAs would leave 104 of them a fourth tile to do alone at the end)."""
         tiles = -(-n_rows // CUDA_ROWS)
-        resident = self._resident(n_blocks)
+        resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
         return -(-tiles // -(-tiles // resident))
 
-    def _resident(self, n_blocks: int) -> int:
-        if n_blocks not in self.grids:
-            import ctypes
-
-            per_sm = ctypes.c_int()
-            self._check(
-                self.cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    ctypes.byref(per_sm),
-                    self.function,
-                    (CUDA_WARPS + 1) * 32,
-                    ctypes.c_size_t(cuda_shared_bytes(n_blocks, self.stages)),
-                ),
-                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-            )
-            self.grids[n_blocks] = self.sms * (self.ctas_per_sm or max(per_sm.value, 1))
-        return self.grids[n_blocks]
-
     def __call__(self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor) -> None:
-        import ctypes
-
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
-        args = [
-            ctypes.c_void_p(weight_q4k.data_ptr()),
-            ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(n_rows),
-            ctypes.c_int(n_blocks),
-            ctypes.c_int(x.dtype == torch.bfloat16),
-        ]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(arg) for arg in args])
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._check(
-            self.cuda.cuLaunchKernel(
-                self.function,
-                self.grid(n_rows, n_blocks), 1, 1,
-                (CUDA_WARPS + 1) * 32, 1, 1,
-                cuda_shared_bytes(n_blocks, self.stages),
-                stream,
-                params,
-                None,
-            ),
-            "cuLaunchKernel",
+        self.module.launch(
+            weight_q4k, x, out, self.grid(n_rows, n_blocks), cuda_shared_bytes(n_blocks, self.stages)
         )
 
 
@@ -805,24 +767,23 @@ _cuda_kernels: dict[int, CudaGemvB1 | None] = {}
 
 
 def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
-    """The loaded kernel for `device`, or None where it cannot run (said once on stderr);
-    LOOM_Q4K_CUDA=0 turns it off."""
+    """The built kernel for `device`, or None where it cannot be built here (said once on
+    stderr: no nvcc or ninja, or not a Hopper GPU); LOOM_Q4K_CUDA=0 turns it off."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _cuda_kernels:
         kernel = None
         if os.environ.get("LOOM_Q4K_CUDA", "1") != "0" and torch.version.cuda:
             try:
                 kernel = CudaGemvB1(torch.device("cuda", index))
-            except (RuntimeError, OSError) as exc:
+            except (RuntimeError, OSError, ImportError) as exc:
                 print(f"q4k_gemv: the CUDA kernel is unavailable, using Triton: {exc}", file=sys.stderr)
         _cuda_kernels[index] = kernel
     return _cuda_kernels[index]
 
 
-
 def _cuda_fits(x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int) -> bool:
-    """The CUDA kernel takes 16-byte-aligned x and W (its vector loads) when it is loaded and
-    its shared memory fits."""
+    """The CUDA kernel takes 16-byte-aligned x and W (its vector loads and bulk copies) when it
+    is built and its shared memory fits."""
     if x.data_ptr() % 16 or weight_q4k.data_ptr() % 16:
         return False
     kernel = cuda_gemv_b1(x.device)

@@ -30,7 +30,7 @@ from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, run_job, warm
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, run_job, warm
 
 Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.bench")
@@ -183,7 +183,7 @@ async def benchmark_candidate(
                 cache = code_cache(job_dir, Path(module))
                 arm_results[role] = await run_job(JobSpec(
                     argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role,
-                    env={**env, "TRITON_CACHE_DIR": str(cache)}, writable=[cache], visible_devices=visible,
+                    env={**env, **code_cache_env(cache)}, writable=[cache], visible_devices=visible,
                     timeout_s=timeout_s,
                     request={"role": role, "module": str(module), "class_name": class_name,
                              "cases_file": str(cases_file), "socket": str(sock_path), "token": token,

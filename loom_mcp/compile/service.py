@@ -20,7 +20,7 @@ from loom_mcp.compile.reports import (
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, Toolchain
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, run_job
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, run_job
 from loom_mcp.store import ArtifactStore
 
 Language = Literal["triton", "cuda", "hip"]
@@ -131,7 +131,7 @@ async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, ta
     cache = code_cache(job_dir, Path(source))
     job = await run_job(JobSpec(
         argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"], job_dir=job_dir,
-        env={**env, "TRITON_CACHE_DIR": str(cache)}, writable=[cache],
+        env={**env, **code_cache_env(cache)}, writable=[cache],
         visible_devices=visible,
         timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
                                       "device": device},

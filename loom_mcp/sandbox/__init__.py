@@ -2,7 +2,7 @@
 
 from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.isolation import isolation_report
-from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache
+from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache, code_cache_env
 from loom_mcp.sandbox.lease import DeviceLease, lease_holder
 from loom_mcp.sandbox.runner import run_job
 
@@ -11,6 +11,7 @@ __all__ = [
     "JobResult",
     "JobSpec",
     "code_cache",
+    "code_cache_env",
     "isolation_report",
     "lease_holder",
     "run_job",

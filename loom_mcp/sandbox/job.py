@@ -18,6 +18,13 @@ def code_cache(job_dir: Path, code: Path) -> Path:
     return job_dir.resolve().parent.parent / "cache" / "triton" / digest
 
 
+def code_cache_env(cache: Path) -> dict[str, str]:
+    """Where a job's compilers keep what they build, all inside `cache`: Triton's kernels and
+    torch.utils.cpp_extension's builds (load_inline), whose default under HOME is read-only
+    in the sandbox."""
+    return {"TRITON_CACHE_DIR": str(cache), "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions")}
+
+
 class JobSpec(BaseModel):
     """One worker process to run in the sandbox."""
 

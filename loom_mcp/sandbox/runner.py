@@ -25,7 +25,7 @@ import anyio.to_thread
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.sandbox import isolation
 from loom_mcp.sandbox.env import worker_env
-from loom_mcp.sandbox.job import JobResult, JobSpec
+from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache_env
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +237,12 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         writable = [str(job_dir), *(str(Path(p).resolve()) for p in spec.writable)]
         if os.path.isdir("/dev/shm"):
             writable.append("/dev/shm")
-        # Triton writes its compile cache; the shared one under HOME is read-only now, and
-        # sharing it would let one candidate plant binaries another job loads.
+        # Triton and load_inline write their build caches; the shared ones under HOME are
+        # read-only now, and sharing them would let one candidate plant binaries another job
+        # loads.
         if "TRITON_CACHE_DIR" not in spec.env:
             (job_dir / "triton-cache").mkdir(exist_ok=True)
-            env["TRITON_CACHE_DIR"] = str(job_dir / "triton-cache")
+            env.update(code_cache_env(job_dir / "triton-cache"))
 
     result_r, result_w = os.pipe()
     meta_r, meta_w = os.pipe()

@@ -27,7 +27,7 @@ import anyio
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobResult, JobSpec, code_cache, run_job, warm
+from loom_mcp.sandbox import JobResult, JobSpec, code_cache, code_cache_env, run_job, warm
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.protocol import publish_go
 
@@ -85,7 +85,7 @@ async def validate_candidate(
                    "go_file": str(signals / "ref.go")}
     cand_spec = JobSpec(
         argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
-        env={**env, "LOOM_GO_SIGNER": token, "TRITON_CACHE_DIR": str(cand_cache)},
+        env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache)},
         writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
         request={"candidate": str(candidate), "cases_file": str(cases_file),
                  "outputs_file": str(outputs_file), "device": device,

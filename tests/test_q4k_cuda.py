@@ -1,0 +1,101 @@
+"""The q4k_gemv candidate's CUDA batch-1 kernel: its source builds for Hopper without spills
+(nvcc, here), and on a GPU it matches the float64 reference across shapes, activation ranges
+and CUDA-graph replay. Timing it: `python tools/probe_q4k_cuda.py` (gpu_session.sh `cuda`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TASK_DIR = REPO / "kernels" / "q4k_gemv"
+
+
+def load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def candidate():
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    return load("q4k_cuda_test_candidate", TASK_DIR / "candidate.py")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_cuda_source_builds_for_sm90_without_spills(candidate, tmp_path, stages):
+    source = tmp_path / "q4k_gemv.cu"
+    source.write_text(candidate.CUDA_SOURCE)
+    build = subprocess.run(
+        ["nvcc", "-c", "-arch=sm_90", "-O3", "-Xptxas", "-v", f"-DSTAGES={stages}",
+         "-o", str(tmp_path / "k.o"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    report = build.stderr + build.stdout
+    assert "q4k_gemv_b1_kernel" in report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    # two 288-thread CTAs per SM must fit in the 64K-register file
+    assert registers <= 65536 // (2 * 288), report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), report
+
+
+def test_shared_memory_plan_fits_two_ctas_for_llama_shapes(candidate):
+    # H200 / H100: 227 KB per CTA at most, 228 KB per SM; two CTAs keep the ring full while
+    # the other computes.
+    for n_blocks in (16, 56):
+        assert 2 * (candidate.cuda_shared_bytes(n_blocks) + 1024) <= 228 * 1024
+    assert candidate.cuda_shared_bytes(56) > candidate.cuda_shared_bytes(16)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
+    import torch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the CUDA kernel needs sm_90")
+    task = load("q4k_cuda_test_task", TASK_DIR / "task.py")
+    base = load("q4k_cuda_test_base", TASK_DIR / "baseline.py")
+    assert candidate.cuda_gemv_b1(torch.device("cuda")) is not None, "the kernel did not build"
+    torch.manual_seed(0)
+    # Small K after large K on purpose: a per-shape shared-memory limit would break the large
+    # one afterwards.
+    cases = [(4096, 14336, "bfloat16", 1.0), (100, 768, "bfloat16", 1.0), (4096, 14336, "bfloat16", 64.0),
+             (1024, 4096, "float16", 1e-3), (9, 1280, "float16", 1.0), (300, 2048, "bfloat16", 1e4)]
+    for n, k, dtype, scale in cases:
+        x, w = task.get_inputs(batch=1, n=n, k=k, dtype=dtype)
+        x, w = (x * scale).cuda(), w.cuda()
+        want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+        got = candidate.q4k_gemv(x, w)
+        assert task.check(got, want), (n, k, dtype, scale)
+    # the same numbers from a CUDA-graph replay
+    x, w = task.get_inputs(batch=1, n=2048, k=4096)
+    x, w = x.cuda(), w.cuda()
+    eager = candidate.q4k_gemv(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = candidate.q4k_gemv(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_cuda_probe_describes_itself():
+    pytest.importorskip("torch")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "probe_q4k_cuda.py"), "--help"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--variants" in result.stdout and "CUDA batch-1 Q4_K GEMV" in result.stdout
