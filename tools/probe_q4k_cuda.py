@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="",
-        help="extra builds to time, as stages:ctas_per_sm:min_ctas[:DEFINE...], e.g. 2:0:2,4:0:2:USE_TMA",
+        help="extra builds to time, as stages:ctas_per_sm:min_ctas[:SWITCH...], e.g. 2:0:2,3:0:2:UNBALANCED",
     )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
@@ -74,10 +74,12 @@ def main() -> int:
     for spec in filter(None, args.variants.split(",")):
         fields = spec.split(":")
         stages, per_sm, min_ctas = (int(v) for v in (fields[:3] + ["2"])[:3])
-        defines = tuple(fields[3:])  # preprocessor switches of the CUDA source, e.g. USE_TMA
-        variants["_".join([f"cuda_s{stages}_c{per_sm}_m{min_ctas}", *defines])] = cand.CudaGemvB1(
-            torch.device("cuda"), stages, per_sm, min_ctas, defines
-        )
+        # preprocessor switches of the CUDA source; UNBALANCED (a host switch) fills every
+        # resident slot instead of giving each CTA the same number of tiles
+        defines = tuple(f for f in fields[3:] if f != "UNBALANCED")
+        variant = cand.CudaGemvB1(torch.device("cuda"), stages, per_sm, min_ctas, defines)
+        variant.balanced = "UNBALANCED" not in fields[3:]
+        variants["_".join([f"cuda_s{stages}_c{per_sm}_m{min_ctas}", *fields[3:]])] = variant
     result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
     failures = 0
     torch.manual_seed(0)

@@ -733,6 +733,7 @@ class CudaGemvB1:
                 verbose=False,
             )
         self.stages, self.ctas_per_sm = stages, ctas_per_sm
+        self.balanced = True  # equal tiles per CTA, rather than every resident slot filled
         self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
         with torch.cuda.device(device):
             if not self.module.allow(self.max_shared):
@@ -754,6 +755,8 @@ class CudaGemvB1:
         CTAs would leave 104 of them a fourth tile to do alone at the end)."""
         tiles = -(-n_rows // CUDA_ROWS)
         resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
+        if not self.balanced:
+            return min(tiles, resident)
         return -(-tiles // -(-tiles // resident))
 
     def __call__(self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor) -> None:
