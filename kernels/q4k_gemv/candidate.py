@@ -3,7 +3,7 @@
 Decode reads every weight once per token, so the kernel is a race to stream 0.5625 bytes per
 weight at HBM speed. Two kernels:
 
-- Batch 1 on NVIDIA Hopper (sm_90+): a CUDA kernel on the tensor cores (`CUDA_SOURCE` below,
+- Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores (`CUDA_SOURCE` below,
   built at first use with torch.utils.cpp_extension.load_inline; needs nvcc and ninja). On an
   H200 it reads the 33 MB Llama-3-8B projections at 2.3-2.5 TB/s, against 1.3-1.4 TB/s for the
   Triton kernel. Where it cannot be built, the Triton kernel runs instead.
@@ -30,8 +30,9 @@ FMA stay on the CUDA cores. It is correct under the interpreter and lowers to Ho
 without spills; `pick_config` keeps the CUDA-core kernel, the faster one measured so far, until
 `tools/sweep_q4k.py` has timed this one on a GPU.
 
-Where it runs: on a GPU tensor, the CUDA kernel at batch 1 on sm_90+ (LOOM_Q4K_CUDA=0 turns it
-off) and the Triton kernel otherwise. On a CPU tensor the Triton kernel runs only under the
+Where it runs: on a GPU tensor, the CUDA kernel at batch 1 on sm_90 (LOOM_Q4K_CUDA=0 turns it
+off; =1 also tries it on newer GPUs, where it has not been checked) and the Triton kernel
+otherwise. On a CPU tensor the Triton kernel runs only under the
 interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
 without it, `forward` dequantizes with torch and multiplies in fp32, so the model works anywhere.
 
@@ -718,6 +719,9 @@ class CudaGemvB1:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 9:
             raise RuntimeError(f"needs sm_90 (bulk copies, mbarriers); this GPU is sm_{major}{minor}")
+        if major > 9 and os.environ.get("LOOM_Q4K_CUDA") != "1":
+            # The PTX it uses exists there, but it has only been checked on Hopper.
+            raise RuntimeError(f"checked on sm_90 only; LOOM_Q4K_CUDA=1 tries it on sm_{major}{minor}")
         flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}", *defines]
         with torch.cuda.device(device):
             self.module = load_inline(
@@ -771,7 +775,8 @@ _cuda_kernels: dict[int, CudaGemvB1 | None] = {}
 
 def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
     """The built kernel for `device`, or None where it cannot be built here (said once on
-    stderr: no nvcc or ninja, or not a Hopper GPU); LOOM_Q4K_CUDA=0 turns it off."""
+    stderr: no nvcc or ninja, or not a Hopper GPU); LOOM_Q4K_CUDA=0 turns it off, =1 also
+    tries it past Hopper."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _cuda_kernels:
         kernel = None
