@@ -355,3 +355,36 @@ def test_bench_prints_one_json_line(source, written):
 
 if __name__ == "__main__":
     print(json.dumps(interpreted_check(sys.argv[1])))
+
+
+# ---------------------------------------------------------------- the fused residual add + norm
+
+ADD_NORM_CHECK = r"""
+import json, torch
+from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
+torch.manual_seed(0)
+report = []
+for rows, hidden, dtype in [(1, 4096, torch.bfloat16), (7, 300, torch.float16), (2, 96, torch.float32),
+                            (3, 257, torch.bfloat16)]:
+    x = torch.randn(rows, hidden, dtype=dtype) * 30
+    delta = torch.randn(rows, hidden, dtype=dtype)
+    weight = 1.0 + 0.1 * torch.randn(hidden)
+    got_h, got_y = add_rms_norm(x, delta, weight, 1e-5)
+    want_h, want_y = torch_add_rms_norm(x, delta, weight, 1e-5)
+    report.append({"shape": [rows, hidden], "dtype": str(dtype), "h_equal": torch.equal(got_h, want_h),
+                   "y_max_diff": (got_y.double() - want_y.double()).abs().max().item(),
+                   "y_max": want_y.double().abs().max().item()})
+print(json.dumps(report))
+"""
+
+
+def test_fused_add_rmsnorm_kernel_matches_the_unfused_pair():
+    """Under the interpreter: the stored sum is bit-equal to PyTorch's add (rounded to the
+    activation dtype, bf16 rounded to nearest even), and the norm is within an output ulp."""
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-c", ADD_NORM_CHECK], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    for case in json.loads(child.stdout.strip().splitlines()[-1]):
+        assert case["h_equal"], case
+        assert case["y_max_diff"] <= 2 ** -7 * case["y_max"], case

@@ -10,7 +10,8 @@ The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedF
   would otherwise launch three (or two); packed rows concatenate like any other rows.
 - RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul candidates. These run Triton on
   GPU tensors and under TRITON_INTERPRET=1, and fall back to their torch paths on plain CPU
-  tensors.
+  tensors. Each residual add is done by the kernel that normalizes its sum (add_rmsnorm.py):
+  a layer hands its last output to the next one unsummed, saving two launches per layer.
 - Attention is F.scaled_dot_product_attention with GQA over a static, preallocated KV cache.
   It is masked by position, so a decode step has fixed shapes and can be captured as a CUDA
   graph (generate.py).
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
 from kernels.q4k.format import dequantize_q4_k
 from kernels.q4k_gemm.candidate import dequantize_to
 from kernels.q4k_gemv.candidate import q4k_gemv
@@ -100,10 +102,12 @@ class Ops(NamedTuple):
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_mul: Callable[[Tensor], Tensor]
+    # (x + delta, rms_norm(x + delta)): the residual add and the norm after it
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 
 
-KERNEL_OPS = Ops(rmsnorm, apply_rope, silu_mul)
-TORCH_OPS = Ops(torch_rms_norm, torch_rope, torch_silu_mul)
+KERNEL_OPS = Ops(rmsnorm, apply_rope, silu_mul, add_rms_norm)
+TORCH_OPS = Ops(torch_rms_norm, torch_rope, torch_silu_mul, torch_add_rms_norm)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -251,9 +255,20 @@ class TransformerBlock(nn.Module):
         self.register_buffer("attn_norm", attn_norm.float())
         self.register_buffer("ffn_norm", ffn_norm.float())
 
-    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.ops.rms_norm(x, self.attn_norm, self.eps), input_pos, mask)
-        return h + self.feed_forward(self.ops.rms_norm(h, self.ffn_norm, self.eps))
+    def forward(
+        self, x: Tensor, delta: Tensor | None, input_pos: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The residual stream is x + delta (delta: the previous layer's last output, or None);
+        returns this layer's stream and last output, still unsummed, so that each add is done
+        by the kernel that normalizes its result."""
+        if delta is None:
+            normed = self.ops.rms_norm(x, self.attn_norm, self.eps)
+        else:
+            x, normed = self.ops.add_rms_norm(x, delta, self.attn_norm, self.eps)
+        h, normed = self.ops.add_rms_norm(
+            x, self.attention(normed, input_pos, mask), self.ffn_norm, self.eps
+        )
+        return h, self.feed_forward(normed)
 
 
 class Transformer(nn.Module):
@@ -328,12 +343,12 @@ class Transformer(nn.Module):
         hides whatever an earlier, longer sequence left in the cache.
         """
         mask = self.key_positions[None, :] <= input_pos[:, None]  # [seq, max_seq]
-        x = self.tok_embeddings(tokens)
+        x, delta = self.tok_embeddings(tokens), None
         for layer in self.layers:
-            x = layer(x, input_pos, mask)
+            x, delta = layer(x, delta, input_pos, mask)
         if last_only:
-            x = x[:, -1:]
-        return self.output(self.ops.rms_norm(x, self.norm, self.args.norm_eps))
+            x, delta = x[:, -1:], delta[:, -1:]
+        return self.output(self.ops.add_rms_norm(x, delta, self.norm, self.args.norm_eps)[1])
 
 
 # ---------------------------------------------------------------- the float reference
