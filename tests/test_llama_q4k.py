@@ -388,3 +388,44 @@ def test_fused_add_rmsnorm_kernel_matches_the_unfused_pair():
     for case in json.loads(child.stdout.strip().splitlines()[-1]):
         assert case["h_equal"], case
         assert case["y_max_diff"] <= 2 ** -7 * case["y_max"], case
+
+
+ROPE_CACHE_CHECK = r"""
+import json, torch
+from kernels.llama_q4k.model import torch_rope
+from kernels.llama_q4k.rope_cache import rope_cache, torch_rope_cache
+torch.manual_seed(0)
+report = []
+for batch, seq, start, dtype in [(1, 1, 4000, torch.bfloat16), (2, 3, 5, torch.float16), (2, 4, 0, torch.float32)]:
+    hq, hkv, d, max_seq = 4, 2, 32, 4096
+    fused = torch.randn(batch * seq, (hq + 2 * hkv) * d, dtype=dtype)
+    q, k, v = (t.reshape(batch * seq, -1, d) for t in fused.split([hq * d, hkv * d, hkv * d], dim=-1))
+    positions = torch.arange(start, start + seq).repeat(batch)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    k_cache, v_cache = torch.randn(batch, hkv, max_seq, d, dtype=dtype), torch.randn(batch, hkv, max_seq, d, dtype=dtype)
+    plain = (k_cache.clone(), v_cache.clone())
+    got_q = rope_cache(positions, q, k, v, inv_freq, k_cache, v_cache)
+    want_q = torch_rope_cache(positions, q, k, v, inv_freq, *plain, rope=torch_rope)
+    written = torch.zeros(max_seq, dtype=torch.bool)
+    written[start:start + seq] = True
+    report.append({
+        "q_diff": (got_q.double() - want_q.double()).abs().max().item(),
+        "k_diff": (k_cache.double() - plain[0].double()).abs().max().item(),
+        "v_equal": torch.equal(v_cache, plain[1]),
+        "others_untouched": torch.equal(k_cache[:, :, ~written], plain[0][:, :, ~written]),
+        "scale": float(q.abs().max()),
+    })
+print(json.dumps(report))
+"""
+
+
+def test_fused_rope_cache_kernel_writes_the_cache_like_index_copy():
+    """Under the interpreter, against plain PyTorch rope + index_copy_: q and the k slots agree
+    to rounding, v is copied bit for bit, and no other cache slot changes."""
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-c", ROPE_CACHE_CHECK], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    for case in json.loads(child.stdout.strip().splitlines()[-1]):
+        assert case["v_equal"] and case["others_untouched"], case
+        assert case["q_diff"] <= 2 ** -7 * case["scale"] and case["k_diff"] <= 2 ** -7 * case["scale"], case

@@ -11,7 +11,8 @@ The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedF
 - RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul candidates. These run Triton on
   GPU tensors and under TRITON_INTERPRET=1, and fall back to their torch paths on plain CPU
   tensors. Each residual add is done by the kernel that normalizes its sum (add_rmsnorm.py):
-  a layer hands its last output to the next one unsummed, saving two launches per layer.
+  a layer hands its last output to the next one unsummed. RoPE writes k and v into the KV
+  cache itself (rope_cache.py). Four launches fewer per layer than the unfused ops.
 - Attention is F.scaled_dot_product_attention with GQA over a static, preallocated KV cache.
   It is masked by position, so a decode step has fixed shapes and can be captured as a CUDA
   graph (generate.py).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -33,11 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
+from kernels.llama_q4k.rope_cache import rope_cache, torch_rope_cache
 from kernels.q4k.format import dequantize_q4_k
 from kernels.q4k_gemm.candidate import dequantize_to
 from kernels.q4k_gemv.candidate import q4k_gemv
 from kernels.rmsnorm.candidate import rmsnorm
-from kernels.rope.candidate import apply_rope
 from kernels.silu_mul.candidate import silu_mul
 
 # The q4k_gemv candidate reads the weight once for up to 8 rows per program; past that, prefill.
@@ -100,14 +102,20 @@ def torch_silu_mul(gate_up: Tensor) -> Tensor:
 
 class Ops(NamedTuple):
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
-    rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_mul: Callable[[Tensor], Tensor]
     # (x + delta, rms_norm(x + delta)): the residual add and the norm after it
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    # rope on q and k with k and v written into the KV cache; returns the rotated q
+    rope_cache: Callable[..., Tensor]
 
 
-KERNEL_OPS = Ops(rmsnorm, apply_rope, silu_mul, add_rms_norm)
-TORCH_OPS = Ops(torch_rms_norm, torch_rope, torch_silu_mul, torch_add_rms_norm)
+KERNEL_OPS = Ops(rmsnorm, silu_mul, add_rms_norm, rope_cache)
+TORCH_OPS = Ops(
+    torch_rms_norm,
+    torch_silu_mul,
+    torch_add_rms_norm,
+    partial(torch_rope_cache, rope=torch_rope),
+)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -192,11 +200,6 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype))
         self.register_buffer("v", torch.zeros(shape, dtype=dtype))
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # index_copy_ with a position tensor (not a Python slice) keeps decode graph-capturable.
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
 
 
 class Attention(nn.Module):
@@ -215,18 +218,19 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
-        # The rope launcher takes [tokens, heads, head_dim] and one position per token.
-        q, k = self.ops.rope(
+        # One launch rotates q and k and writes k and v into the cache at their positions (the
+        # launcher takes [tokens, heads, head_dim] and one position per token).
+        q = self.ops.rope_cache(
             input_pos.repeat(batch),
             q.reshape(batch * seq, self.n_heads, self.head_dim),
             k.reshape(batch * seq, self.n_kv_heads, self.head_dim),
+            v.reshape(batch * seq, self.n_kv_heads, self.head_dim),
             self.inv_freq,
+            self.kv_cache.k,
+            self.kv_cache.v,
         )
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-
-        k, v = self.kv_cache.update(input_pos, k, v)
+        k, v = self.kv_cache.k, self.kv_cache.v
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, self.q_size))
 

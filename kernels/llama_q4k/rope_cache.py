@@ -1,0 +1,196 @@
+"""RoPE fused with the KV-cache write: q rotated out, k rotated and v copied into the cache.
+
+Unfused, a layer's attention input takes three kernels: the rope candidate (q and k), then one
+index_copy_ each for k and v into the cache. At decode each moves a few KB and is all launch,
+so the model program does the three in one: per token, one program takes the angles once,
+writes the rotated q, and writes the rotated k and the plain v straight into their cache slot
+(the slot is the token's position, as KVCache.update's index_copy_ puts it).
+
+The rotation is the rope candidate's own `rotate_heads`, so the numbers are the same bits.
+
+Self-check: `TRITON_INTERPRET=1 python -m kernels.llama_q4k.rope_cache`, or on a GPU without
+the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.rope.candidate import apply_rope, rotate_heads
+
+
+@triton.jit
+def copy_heads(
+    x_ptr, out_ptr, x_head_stride, out_head_stride, n_heads, D: tl.constexpr, BLOCK_HEADS: tl.constexpr
+):
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, D)[None, :]
+    valid = heads < n_heads
+    x = tl.load(x_ptr + heads * x_head_stride + dims, mask=valid, other=0.0)
+    tl.store(out_ptr + heads * out_head_stride + dims, x, mask=valid)
+
+
+@triton.jit
+def rope_cache_kernel(
+    positions_ptr,
+    inv_freq_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    cache_batch_stride,
+    cache_head_stride,
+    cache_pos_stride,
+    seq,
+    q_heads,
+    kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    batch = token // seq
+    position_int = tl.load(positions_ptr + token).to(tl.int64)
+    angles = position_int.to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HALF))
+    cos = tl.cos(angles)[None, :]
+    sin = tl.sin(angles)[None, :]
+    rotate_heads(
+        q_ptr + token * q_token_stride,
+        q_out_ptr + token * q_heads * 2 * HALF,
+        q_head_stride,
+        2 * HALF,
+        q_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_Q_HEADS,
+    )
+    slot = batch * cache_batch_stride + position_int * cache_pos_stride
+    rotate_heads(
+        k_ptr + token * k_token_stride,
+        k_cache_ptr + slot,
+        k_head_stride,
+        cache_head_stride,
+        kv_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_KV_HEADS,
+    )
+    copy_heads(
+        v_ptr + token * v_token_stride,
+        v_cache_ptr + slot,
+        v_head_stride,
+        cache_head_stride,
+        kv_heads,
+        2 * HALF,
+        BLOCK_KV_HEADS,
+    )
+
+
+def torch_rope_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rope: Callable = apply_rope,
+) -> torch.Tensor:
+    """The unfused three: `rope` on q and k, then index_copy_ of k and v into the cache.
+    q [T, Hq, D], k and v [T, Hkv, D] with T = batch * seq, positions [T] (the same `seq`
+    positions for every batch row); caches [batch, Hkv, max_seq, D]. Returns the rotated q."""
+    q_rot, k_rot = rope(positions, q, k, inv_freq)
+    batch, kv_heads, _, head_dim = k_cache.shape
+    seq = positions.shape[0] // batch
+    slots = positions[:seq]
+    k_cache.index_copy_(2, slots, k_rot.view(batch, seq, kv_heads, head_dim).transpose(1, 2))
+    v_cache.index_copy_(2, slots, v.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2))
+    return q_rot
+
+
+def rope_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """`torch_rope_cache` in one kernel (Triton on GPU tensors and under the interpreter)."""
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return torch_rope_cache(positions, q, k, v, inv_freq, k_cache, v_cache)
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    batch = k_cache.shape[0]
+    if head_dim & (head_dim - 1) or tokens % batch or k_cache.stride(-1) != 1:
+        raise ValueError("rope_cache needs a power-of-two head_dim, batch-major tokens and dense caches")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("the k and v caches must share one layout")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    rope_cache_kernel[(tokens,)](
+        positions.contiguous(),
+        inv_freq.float().contiguous(),
+        q,
+        k,
+        v,
+        q_out,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        tokens // batch,
+        q_heads,
+        kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_Q_HEADS=triton.next_power_of_2(q_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(kv_heads),
+        num_warps=4,
+    )
+    return q_out
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    for batch, seq, start, dtype in [(1, 1, 700, torch.bfloat16), (2, 5, 3, torch.float16), (3, 2, 0, torch.float32)]:
+        q_heads, kv_heads, head_dim, max_seq = 8, 2, 64, 1024
+        fused = torch.randn(batch * seq, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+        q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = (t.reshape(batch * seq, -1, head_dim) for t in (q, k, v))
+        positions = torch.arange(start, start + seq, device=device).repeat(batch)
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        caches = [torch.randn(batch, kv_heads, max_seq, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        caches += [cache.clone() for cache in caches]
+        want_q = torch_rope_cache(positions, q, k, v, inv_freq, caches[0], caches[1])
+        got_q = rope_cache(positions, q, k, v, inv_freq, caches[2], caches[3])
+        assert torch.equal(got_q, want_q) and torch.equal(caches[3], caches[1])
+        torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0)
+    print(f"rope_cache ({'triton' if device == 'cuda' or os.environ.get('TRITON_INTERPRET') == '1' else 'torch'} on {device}): ok")
