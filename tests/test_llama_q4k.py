@@ -280,6 +280,7 @@ BENCH_FIELDS = {
     "prefill_speedup_vs_bf16",
     "bf16_torch_vs_reference",
     "graph_capture",
+    "decode_trace",
     "kernel_path",
     "device",
     "torch",
@@ -352,9 +353,6 @@ def test_bench_prints_one_json_line(source, written):
         assert result["dequantized_at_load"] == {"F32": 5, "F16": 1}
         assert result["tensor_types"]["Q4_K"] == 7 * ARGS.n_layers + 1
 
-
-if __name__ == "__main__":
-    print(json.dumps(interpreted_check(sys.argv[1])))
 
 
 # ---------------------------------------------------------------- the fused residual add + norm
@@ -429,3 +427,26 @@ def test_fused_rope_cache_kernel_writes_the_cache_like_index_copy():
     for case in json.loads(child.stdout.strip().splitlines()[-1]):
         assert case["v_equal"] and case["others_untouched"], case
         assert case["q_diff"] <= 2 ** -7 * case["scale"] and case["k_diff"] <= 2 ** -7 * case["scale"], case
+
+
+def test_bench_writes_a_decode_trace_our_analyzer_reads(tmp_path):
+    """--trace: a Kineto trace of eager decode steps, which loom's own trace analysis parses."""
+    from loom_mcp.traces.analysis import analyze
+
+    trace = tmp_path / "decode.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO)}
+    child = subprocess.run(
+        [sys.executable, "-m", "kernels.llama_q4k.bench", "--random-config", "tiny", "--prompt-len",
+         "8", "--gen", "0", "--runs", "1", "--prefill-runs", "1", "--reference", "none",
+         "--device", "cpu", "--trace", str(trace)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.strip().splitlines()[-1])["decode_trace"] == str(trace)
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert any(name and name.startswith("aten::_scaled_dot_product") for name in names)
+    assert analyze(trace).source_format == "kineto"
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpreted_check(sys.argv[1])))

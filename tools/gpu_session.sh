@@ -54,7 +54,12 @@ case "$phase" in
       | grep -v "pairs,\|running [0-9]" | tail -60 ;;
   model)
     timeout 560 python3 -m kernels.llama_q4k.bench --random-config llama3-8b --gen 64 --runs 2 \
-      > "$out/llama3-8b.json" 2> "$out/llama3-8b.err"; tail -c 3000 "$out/llama3-8b.json"; tail -5 "$out/llama3-8b.err" ;;
+      --trace "$out/decode_trace.json" > "$out/llama3-8b.json" 2> "$out/llama3-8b.err"
+    tail -c 3000 "$out/llama3-8b.json"; tail -5 "$out/llama3-8b.err"
+    # where a decode step's time goes, kernel by kernel, by loom's own trace analysis
+    python3 -c "import sys; from pathlib import Path; from loom_mcp.traces.analysis import analyze; \
+a = analyze(Path(sys.argv[1])); [print(f'{k.time_us:10.1f} us {k.count:6d}x  {k.name[:90]}') for k in sorted(a.kernels, key=lambda k: -k.time_us)[:25]]" \
+      "$out/decode_trace.json" 2>&1 | tee "$out/decode_kernels.txt" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 done

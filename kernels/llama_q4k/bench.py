@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reference", default="bf16", choices=["bf16", "none"])
     parser.add_argument("--no-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace",
+        help="also write a Kineto (Chrome JSON) trace of 3 eager decode steps here: every kernel "
+        "of a step, for `analyze_trace` (graph replay hides them)",
+    )
     return parser.parse_args(argv)
 
 
@@ -148,6 +153,30 @@ def spread(times: list[float]) -> dict[str, float]:
 
 
 @torch.inference_mode()
+def trace_decode(model: Transformer, prompt: torch.Tensor, path: str, steps: int = 3) -> None:
+    """A Kineto trace of `steps` eager decode steps after the prompt (CPU and, on a GPU, CUDA
+    activities). Eager, so that each kernel of the step is its own event."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = prompt.device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    # The prompt's last position again: inside the cache whatever --gen is, and the step's
+    # kernels and shapes are those of any decode step.
+    tokens, position = prompt[:, -1:], torch.tensor([prompt.shape[1] - 1], device=device)
+    with torch.no_grad():
+        model(tokens, position)  # warm
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                model(tokens, position)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    prof.export_chrome_trace(path)
+
+
 def main(argv: list[str] | None = None) -> dict:
     opts = parse_args(argv)
     if (
@@ -208,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Prefill alone, timed the same way as the bf16 model's below (a generation's TTFT also
     # holds the first argmax and, with one or two runs, says little about spread).
     prefill_times = time_prefill(model, prompt, opts.prefill_runs)
+    if opts.trace:
+        trace_decode(model, prompt, opts.trace)
     del model, decode, checked  # room for the bf16 model on the device
 
     bf16_times: list[float] = []
@@ -294,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "prefill_linear": "q4k_gemm candidate (Triton dequantization + dense matmul)",
         "graph_capture": use_graph,
+        "decode_trace": opts.trace,
         "device": torch.cuda.get_device_name(device)
         if on_gpu
         else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
