@@ -53,7 +53,7 @@ def jit_kernels(module: ModuleType) -> dict[str, JITFunction]:
     return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
 
 
-# Candidate files that hold Triton kernels (the Q4_K format helpers are not a candidate).
+# Files that hold Triton kernels: the tasks' candidates and the model program's fused ops.
 TRITON_FILES = sorted(
     path
     for path in KERNELS.glob("*/*.py")
@@ -97,16 +97,24 @@ class LaunchRecorder:
 
 
 def record_launches(path: Path, monkeypatch) -> tuple[ModuleType, set[Launch]]:
+    """Every launch a candidate makes at its task's shapes. A kernel file that is not a task's
+    candidate (the model program's fused ops) names its own launches in `example_calls()`."""
     module = load(path)
-    task = load(path.parent / "task.py")
+    task_file = path.parent / "task.py"
     launches: set[Launch] = set()
     for name, kernel in jit_kernels(module).items():
         monkeypatch.setattr(module, name, LaunchRecorder(name, kernel, launches))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # only steers the launcher; nothing is interpreted
-    for shape in task.SHAPES:
-        model = module.ModelNew(*task.get_init_inputs(**shape))
-        with torch.no_grad():
-            model(*task.get_inputs(**shape))
+    if task_file.exists():
+        task = load(task_file)
+        for shape in task.SHAPES:
+            model = module.ModelNew(*task.get_init_inputs(**shape))
+            with torch.no_grad():
+                model(*task.get_inputs(**shape))
+    else:
+        assert hasattr(module, "example_calls"), f"{path} has kernels but no task.py or example_calls()"
+        for call in module.example_calls():
+            call()
     monkeypatch.undo()
     return module, launches
 

@@ -89,6 +89,14 @@ def add_rms_norm(
     return h.reshape(x.shape), y.reshape(x.shape)
 
 
+def example_calls():
+    """Launches at Llama-3-8B's shapes (decode, a decode batch, prefill), for the compile test."""
+    weight = torch.ones(4096)
+    for rows, dtype in ((1, torch.bfloat16), (8, torch.float16), (512, torch.bfloat16)):
+        x = torch.zeros(rows, 4096, dtype=dtype)
+        yield lambda x=x: add_rms_norm(x, x, weight, 1e-5)
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for rows, hidden, dtype in [(1, 256, torch.bfloat16), (5, 300, torch.float16), (3, 96, torch.float32)]:

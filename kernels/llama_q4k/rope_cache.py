@@ -177,6 +177,18 @@ def rope_cache(
     return q_out
 
 
+def example_calls():
+    """Launches at Llama-3-8B's shapes (32 query and 8 KV heads of 128; decode at batch 1 and 8,
+    prefill of 512), for the compile test."""
+    inv_freq = torch.ones(64)
+    for batch, seq, dtype in ((1, 1, torch.bfloat16), (8, 1, torch.float16), (1, 512, torch.bfloat16)):
+        qkv = torch.zeros(batch * seq, 48, 128, dtype=dtype)
+        q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+        cache = torch.zeros(batch, 8, 576, 128, dtype=dtype)
+        positions = torch.arange(seq).repeat(batch)
+        yield lambda q=q, k=k, v=v, c=cache, p=positions: rope_cache(p, q, k, v, inv_freq, c, c)
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
