@@ -125,16 +125,18 @@ def main() -> int:
 
             timed.append((name, run))
         for name, fn in timed:
-            x0, w0 = sets[0]
-            agrees = bool(torch.equal(fn(x0, w0), cand.q4k_gemv(x0, w0)))
             med, p10, p90 = time_rotating(fn, sets, replays=args.replays)
             line[name] = {
                 "us": round(med * 1e6, 3),
                 "p10_us": round(p10 * 1e6, 3),
                 "p90_us": round(p90 * 1e6, 3),
                 "tb_s": round(task.bytes_moved(batch=1, n=n, k=k) / med / 1e12, 3),
-                "same_as_cuda": agrees,
             }
+            # Builds that differ in ring slots or CTAs per SM sum in the same order, so they
+            # must give the same bits; a different consumer split may round differently.
+            if name in variants:
+                x0, w0 = sets[0]
+                line[name]["same_as_cuda"] = bool(torch.equal(fn(x0, w0), cand.q4k_gemv(x0, w0)))
         result["timings"].append(line)
         print(json.dumps(line), flush=True)
         del sets
