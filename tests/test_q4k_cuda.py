@@ -101,3 +101,20 @@ def test_cuda_probe_describes_itself():
     )
     assert result.returncode == 0, result.stderr
     assert "--variants" in result.stdout and "CUDA batch-1 Q4_K GEMV" in result.stdout
+
+
+def test_stream_floor_pieces_cover_each_weight_exactly_once():
+    """tools/stream_floor_cuda.py times reads of the GEMV's bytes cut in pieces; every layout it
+    times must cover each shape's Q4_K matrix exactly, or its floor means nothing."""
+    pytest.importorskip("torch")
+    floor = load("stream_floor_cuda", REPO / "tools" / "stream_floor_cuda.py")
+    for n, k in floor.SHAPES:
+        row_bytes = k // 256 * 144
+        layouts = floor.configurations(n, row_bytes)
+        assert {kind for kind, *_ in layouts} == {"strided16", "flat"}
+        assert any(kind == "strided16" and seg == 1152 for kind, _, seg, *_ in layouts)
+        for kind, rows, seg, stride, per_row, items in layouts:
+            assert items * rows * seg == n * row_bytes, (kind, seg)
+            assert seg % 16 == 0  # bulk copies move multiples of 16 bytes
+            if kind == "strided16":
+                assert stride == row_bytes and per_row * seg == row_bytes and n % rows == 0
