@@ -320,8 +320,8 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights it costs about 230 warp instructions, against about 2,100 for the
-# Triton kernel:
+# Per 16 rows x 256 weights its loop is 236 warp instructions, against about 1,060 for the
+# Triton kernel (8.3 thread instructions per weight):
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
