@@ -393,7 +393,7 @@ def test_fused_add_rmsnorm_kernel_matches_the_unfused_pair():
 ROPE_CACHE_CHECK = r"""
 import json, torch
 from kernels.llama_q4k.model import torch_rope
-from kernels.llama_q4k.rope_cache import rope_cache, torch_rope_cache
+from kernels.llama_q4k.rope_cache import rope_cache
 torch.manual_seed(0)
 report = []
 for batch, seq, start, dtype in [(1, 1, 4000, torch.bfloat16), (2, 3, 5, torch.float16), (2, 4, 0, torch.float32)]:
@@ -405,7 +405,7 @@ for batch, seq, start, dtype in [(1, 1, 4000, torch.bfloat16), (2, 3, 5, torch.f
     k_cache, v_cache = torch.randn(batch, hkv, max_seq, d, dtype=dtype), torch.randn(batch, hkv, max_seq, d, dtype=dtype)
     plain = (k_cache.clone(), v_cache.clone())
     got_q = rope_cache(positions, q, k, v, inv_freq, k_cache, v_cache)
-    want_q = torch_rope_cache(positions, q, k, v, inv_freq, *plain, rope=torch_rope)
+    want_q = rope_cache(positions, q, k, v, inv_freq, *plain, rope=torch_rope)
     written = torch.zeros(max_seq, dtype=torch.bool)
     written[start:start + seq] = True
     report.append({

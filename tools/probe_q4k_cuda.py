@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="",
-        help="extra builds to time, as stages:ctas_per_sm:min_ctas[:SWITCH...], e.g. 2:0:2,3:0:2:UNBALANCED",
+        help="extra builds to time, as stages:ctas_per_sm[:min_ctas], e.g. 2:0,4:0:2 (0: as many as fit)",
     )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
@@ -72,14 +72,10 @@ def main() -> int:
         return 1
     variants = {}
     for spec in filter(None, args.variants.split(",")):
-        fields = spec.split(":")
-        stages, per_sm, min_ctas = (int(v) for v in (fields[:3] + ["2"])[:3])
-        # preprocessor switches of the CUDA source; UNBALANCED (a host switch) fills every
-        # resident slot instead of giving each CTA the same number of tiles
-        defines = tuple(f for f in fields[3:] if f != "UNBALANCED")
-        variant = cand.CudaGemvB1(torch.device("cuda"), stages, per_sm, min_ctas, defines)
-        variant.balanced = "UNBALANCED" not in fields[3:]
-        variants["_".join([f"cuda_s{stages}_c{per_sm}_m{min_ctas}", *fields[3:]])] = variant
+        stages, per_sm, min_ctas = (int(v) for v in (spec.split(":") + ["2"])[:3])
+        variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}"] = cand.CudaGemvB1(
+            torch.device("cuda"), stages, per_sm, min_ctas
+        )
     result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
     failures = 0
     torch.manual_seed(0)
@@ -132,8 +128,7 @@ def main() -> int:
                 "p90_us": round(p90 * 1e6, 3),
                 "tb_s": round(task.bytes_moved(batch=1, n=n, k=k) / med / 1e12, 3),
             }
-            # Builds that differ in ring slots or CTAs per SM sum in the same order, so they
-            # must give the same bits; a different consumer split may round differently.
+            # Builds that differ in ring slots or CTAs per SM sum in the same order: same bits.
             if name in variants:
                 x0, w0 = sets[0]
                 line[name]["same_as_cuda"] = bool(torch.equal(fn(x0, w0), cand.q4k_gemv(x0, w0)))

@@ -314,15 +314,11 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_prefill_tokens_per_s": prompt_tokens / (bf16_prefill_ms / 1e3)
         if bf16_prefill_ms is not None
         else None,
-        "kernel_path": "triton" if on_gpu or interpreted else "torch-fallback",
-        "decode_linear": "q4k_gemv candidate: "
-        + (
-            "CUDA tensor-core kernel at batch 1, Triton above"
-            if on_gpu and cuda_gemv_b1(torch.device(device)) is not None
-            else "Triton"
-            if on_gpu or interpreted
-            else "torch"
-        ),
+        # batch-1 decode GEMVs on the q4k_gemv candidate's CUDA kernel where it is built
+        "kernel_path": ("cuda+triton" if cuda_gemv_b1(device) is not None else "triton")
+        if on_gpu
+        else "triton" if interpreted else "torch-fallback",
+        "decode_linear": "q4k_gemv candidate",
         "prefill_linear": "q4k_gemm candidate (Triton dequantization + dense matmul)",
         "graph_capture": use_graph,
         "decode_trace": opts.trace,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
-from kernels.llama_q4k.rope_cache import rope_cache, torch_rope_cache
+from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.q4k.format import dequantize_q4_k
 from kernels.q4k_gemm.candidate import dequantize_to
 from kernels.q4k_gemv.candidate import q4k_gemv
@@ -114,7 +114,7 @@ TORCH_OPS = Ops(
     torch_rms_norm,
     torch_silu_mul,
     torch_add_rms_norm,
-    partial(torch_rope_cache, rope=torch_rope),
+    partial(rope_cache, rope=torch_rope),
 )
 
 

@@ -4,9 +4,10 @@ Unfused, a layer's attention input takes three kernels: the rope candidate (q an
 index_copy_ each for k and v into the cache. At decode each moves a few KB and is all launch,
 so the model program does the three in one: per token, one program takes the angles once,
 writes the rotated q, and writes the rotated k and the plain v straight into their cache slot
-(the slot is the token's position, as KVCache.update's index_copy_ puts it).
+(the slot is the token's position, where an index_copy_ along the sequence would put it).
 
-The rotation is the rope candidate's own `rotate_heads`, so the numbers are the same bits.
+The angles and rotations are the rope candidate's own (`rotate_token_q`, `rotate_heads`), so
+the numbers are the same bits.
 
 Self-check: `TRITON_INTERPRET=1 python -m kernels.llama_q4k.rope_cache`, or on a GPU without
 the variable.
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope.candidate import apply_rope, rotate_heads
+from kernels.rope.candidate import apply_rope, rotate_heads, rotate_token_q
 
 
 @triton.jit
@@ -62,23 +63,19 @@ def rope_cache_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    batch = token // seq
-    position_int = tl.load(positions_ptr + token).to(tl.int64)
-    angles = position_int.to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HALF))
-    cos = tl.cos(angles)[None, :]
-    sin = tl.sin(angles)[None, :]
-    rotate_heads(
-        q_ptr + token * q_token_stride,
-        q_out_ptr + token * q_heads * 2 * HALF,
+    position, cos, sin = rotate_token_q(
+        positions_ptr,
+        inv_freq_ptr,
+        token,
+        q_ptr,
+        q_out_ptr,
+        q_token_stride,
         q_head_stride,
-        2 * HALF,
         q_heads,
-        cos,
-        sin,
         HALF,
         BLOCK_Q_HEADS,
     )
-    slot = batch * cache_batch_stride + position_int * cache_pos_stride
+    slot = (token // seq) * cache_batch_stride + position.to(tl.int64) * cache_pos_stride
     rotate_heads(
         k_ptr + token * k_token_stride,
         k_cache_ptr + slot,
@@ -101,28 +98,6 @@ def rope_cache_kernel(
     )
 
 
-def torch_rope_cache(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    rope: Callable = apply_rope,
-) -> torch.Tensor:
-    """The unfused three: `rope` on q and k, then index_copy_ of k and v into the cache.
-    q [T, Hq, D], k and v [T, Hkv, D] with T = batch * seq, positions [T] (the same `seq`
-    positions for every batch row); caches [batch, Hkv, max_seq, D]. Returns the rotated q."""
-    q_rot, k_rot = rope(positions, q, k, inv_freq)
-    batch, kv_heads, _, head_dim = k_cache.shape
-    seq = positions.shape[0] // batch
-    slots = positions[:seq]
-    k_cache.index_copy_(2, slots, k_rot.view(batch, seq, kv_heads, head_dim).transpose(1, 2))
-    v_cache.index_copy_(2, slots, v.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2))
-    return q_rot
-
-
 def rope_cache(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -131,10 +106,21 @@ def rope_cache(
     inv_freq: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    rope: Callable | None = None,
 ) -> torch.Tensor:
-    """`torch_rope_cache` in one kernel (Triton on GPU tensors and under the interpreter)."""
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return torch_rope_cache(positions, q, k, v, inv_freq, k_cache, v_cache)
+    """q [T, Hq, D] rotated (returned), and k rotated and v copied into the caches
+    [batch, Hkv, max_seq, D] at their positions; T = batch * seq tokens, batch-major, with the
+    same `seq` positions [T] for every batch row. One kernel on GPU tensors and under the
+    interpreter; given `rope` (or on plain CPU tensors), the unfused three instead: `rope`
+    (default: the rope candidate) on q and k, then index_copy_ of k and v."""
+    if rope is not None or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        q_rot, k_rot = (rope or apply_rope)(positions, q, k, inv_freq)
+        batch, kv_heads, _, head_dim = k_cache.shape
+        seq = positions.shape[0] // batch
+        slots = positions[:seq]
+        k_cache.index_copy_(2, slots, k_rot.view(batch, seq, kv_heads, head_dim).transpose(1, 2))
+        v_cache.index_copy_(2, slots, v.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2))
+        return q_rot
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = k_cache.shape[0]
@@ -201,7 +187,7 @@ if __name__ == "__main__":
         inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
         caches = [torch.randn(batch, kv_heads, max_seq, head_dim, dtype=dtype, device=device) for _ in range(2)]
         caches += [cache.clone() for cache in caches]
-        want_q = torch_rope_cache(positions, q, k, v, inv_freq, caches[0], caches[1])
+        want_q = rope_cache(positions, q, k, v, inv_freq, caches[0], caches[1], rope=apply_rope)
         got_q = rope_cache(positions, q, k, v, inv_freq, caches[2], caches[3])
         assert torch.equal(got_q, want_q) and torch.equal(caches[3], caches[1])
         torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0)

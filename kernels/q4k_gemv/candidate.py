@@ -710,7 +710,6 @@ class CudaGemvB1:
         stages: int = CUDA_STAGES,
         ctas_per_sm: int = 0,
         min_ctas: int = CUDA_MIN_CTAS,
-        defines: tuple[str, ...] = (),
     ) -> None:
         """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
         `min_ctas`: the CTAs per SM the compiler must leave registers for."""
@@ -722,7 +721,7 @@ class CudaGemvB1:
         if major > 9 and os.environ.get("LOOM_Q4K_CUDA") != "1":
             # The PTX it uses exists there, but it has only been checked on Hopper.
             raise RuntimeError(f"checked on sm_90 only; LOOM_Q4K_CUDA=1 tries it on sm_{major}{minor}")
-        flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}", *defines]
+        flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}"]
         with torch.cuda.device(device):
             self.module = load_inline(
                 name="loom_q4k_gemv_b1_" + "_".join(flag.replace("=", "") for flag in flags).lower(),
@@ -737,7 +736,6 @@ class CudaGemvB1:
                 verbose=False,
             )
         self.stages, self.ctas_per_sm = stages, ctas_per_sm
-        self.balanced = True  # equal tiles per CTA, rather than every resident slot filled
         self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
         with torch.cuda.device(device):
             if not self.module.allow(self.max_shared):
@@ -759,8 +757,6 @@ class CudaGemvB1:
         CTAs would leave 104 of them a fourth tile to do alone at the end)."""
         tiles = -(-n_rows // CUDA_ROWS)
         resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
-        if not self.balanced:
-            return min(tiles, resident)
         return -(-tiles // -(-tiles // resident))
 
     def __call__(self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor) -> None:
@@ -789,13 +785,13 @@ def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
     return _cuda_kernels[index]
 
 
-def _cuda_fits(x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int) -> bool:
-    """The CUDA kernel takes 16-byte-aligned x and W (its vector loads and bulk copies) when it
-    is built and its shared memory fits."""
+def _cuda_kernel(x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int) -> CudaGemvB1 | None:
+    """The CUDA kernel, where it is built, its shared memory fits, and x and W are 16-byte
+    aligned (its vector loads and bulk copies)."""
     if x.data_ptr() % 16 or weight_q4k.data_ptr() % 16:
-        return False
+        return None
     kernel = cuda_gemv_b1(x.device)
-    return kernel is not None and kernel.fits(n_blocks)
+    return kernel if kernel is not None and kernel.fits(n_blocks) else None
 
 
 def _runs_triton(x: torch.Tensor) -> bool:
@@ -841,8 +837,9 @@ def q4k_gemv(
     if out.numel() == 0:
         return out
     n_blocks = k // QK_K
-    if config is None and batch == 1 and x.is_cuda and _cuda_fits(x, weight_q4k, n_blocks):
-        cuda_gemv_b1(x.device)(x, weight_q4k, out)
+    kernel = _cuda_kernel(x, weight_q4k, n_blocks) if config is None and batch == 1 and x.is_cuda else None
+    if kernel is not None:
+        kernel(x, weight_q4k, out)
         return out
     config = config or pick_config(n_rows, n_blocks, batch)
     if config.method == "mma":

@@ -67,6 +67,40 @@ def rotate_heads(
 
 
 @triton.jit
+def rotate_token_q(
+    positions_ptr,
+    inv_freq_ptr,
+    token,
+    q_ptr,
+    q_out_ptr,
+    q_token_stride,
+    q_head_stride,
+    q_heads,
+    HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+):
+    """One token's angles and its query heads rotated into the contiguous q_out
+    [tokens, heads, 2 * HALF]; returns the token's position and the cos and sin rows, for the
+    caller to rotate its key heads wherever they go."""
+    position = tl.load(positions_ptr + token)
+    angles = position.to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HALF))
+    cos = tl.cos(angles)[None, :]
+    sin = tl.sin(angles)[None, :]
+    rotate_heads(
+        q_ptr + token * q_token_stride,
+        q_out_ptr + token * q_heads * 2 * HALF,
+        q_head_stride,
+        2 * HALF,
+        q_heads,
+        cos,
+        sin,
+        HALF,
+        BLOCK_Q_HEADS,
+    )
+    return position, cos, sin
+
+
+@triton.jit
 def rope_kernel(
     positions_ptr,
     inv_freq_ptr,
@@ -85,22 +119,19 @@ def rope_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.float32)
-    angles = position * tl.load(inv_freq_ptr + tl.arange(0, HALF))
-    cos = tl.cos(angles)[None, :]
-    sin = tl.sin(angles)[None, :]
-    # Outputs are contiguous [tokens, heads, 2 * HALF].
-    rotate_heads(
-        q_ptr + token * q_token_stride,
-        q_out_ptr + token * q_heads * 2 * HALF,
+    _, cos, sin = rotate_token_q(
+        positions_ptr,
+        inv_freq_ptr,
+        token,
+        q_ptr,
+        q_out_ptr,
+        q_token_stride,
         q_head_stride,
-        2 * HALF,
         q_heads,
-        cos,
-        sin,
         HALF,
         BLOCK_Q_HEADS,
     )
+    # k_out is contiguous [tokens, heads, 2 * HALF], as q_out is.
     rotate_heads(
         k_ptr + token * k_token_stride,
         k_out_ptr + token * kv_heads * 2 * HALF,
