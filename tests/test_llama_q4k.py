@@ -431,6 +431,62 @@ def test_fused_rope_cache_kernel_writes_the_cache_like_index_copy():
         assert case["q_diff"] <= 2 ** -7 * case["scale"] and case["k_diff"] <= 2 ** -7 * case["scale"], case
 
 
+DECODE_ATTENTION_CHECK = r"""
+import json, torch
+from kernels.llama_q4k.decode_attention import CHUNK, decode_attention, torch_decode_attention
+from kernels.llama_q4k.model import torch_rope
+torch.manual_seed(0)
+report = []
+cases = [(1, 4, 0, 300, torch.bfloat16), (3, 4, CHUNK - 1, 300, torch.bfloat16),
+         (2, 4, CHUNK, 300, torch.float16), (1, 1, 299, 300, torch.float32), (2, 2, 150, 2 * CHUNK + 37, torch.bfloat16)]
+for batch, group, position, max_seq, dtype in cases:
+    kv_heads, d = 2, 64
+    q_heads = kv_heads * group
+    fused = torch.randn(batch, (q_heads + 2 * kv_heads) * d, dtype=dtype)
+    q, k, v = (t.reshape(batch, -1, d) for t in fused.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    caches = [torch.randn(batch, kv_heads, max_seq, d, dtype=dtype) for _ in range(2)]
+    for cache in caches:  # what an earlier, longer sequence left, huge: it must stay masked
+        cache[:, :, position + 1:] = 1e4
+    plain = [cache.clone() for cache in caches]
+    # the kernel must not even read it: infinities there change nothing
+    poisoned = [cache.clone().index_fill_(2, torch.arange(position + 1, max_seq), float("inf")) for cache in caches]
+    positions = torch.tensor([position])
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    got = decode_attention(positions, q, k, v, inv_freq, *caches)
+    got_poisoned = decode_attention(positions, q, k, v, inv_freq, *poisoned)
+    want = torch_decode_attention(positions, q, k, v, inv_freq, *plain, rope=torch_rope)
+    others = torch.ones(max_seq, dtype=torch.bool)
+    others[position] = False
+    report.append({
+        "case": [batch, group, position, max_seq, str(dtype)],
+        "out_diff": (got.double() - want.double()).abs().max().item(),
+        "out_scale": want.double().abs().max().item(),
+        "finite": bool(torch.isfinite(got).all()),
+        "poison_ignored": torch.equal(got, got_poisoned),
+        "k_slot_diff": (caches[0][:, :, position].double() - plain[0][:, :, position].double()).abs().max().item(),
+        "v_equal": torch.equal(caches[1], plain[1]),
+        "others_untouched": torch.equal(caches[0][:, :, others], plain[0][:, :, others]),
+    })
+print(json.dumps(report))
+"""
+
+
+def test_decode_attention_kernels_match_rope_cache_and_sdpa():
+    """Under the interpreter, against the torch path (rope, index_copy_, SDPA with a position
+    mask): GQA groups of 4, 2 and 1, batch rows, positions at split edges, and stale infinities
+    past the position that a correct kernel never reads."""
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-c", DECODE_ATTENTION_CHECK], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    for case in json.loads(child.stdout.strip().splitlines()[-1]):
+        assert case["finite"] and case["poison_ignored"], case
+        assert case["v_equal"] and case["others_untouched"], case
+        assert case["k_slot_diff"] <= 2 ** -7 * 4, case
+        # probabilities are rounded to the activation dtype before the product with V
+        assert case["out_diff"] <= 2 ** -6 * case["out_scale"], case
+
+
 def test_bench_writes_a_decode_trace_our_analyzer_reads(tmp_path):
     """--trace: a Kineto trace of eager decode steps, which loom's own trace analysis parses."""
     from loom_mcp.traces.analysis import analyze

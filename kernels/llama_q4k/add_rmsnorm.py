@@ -39,13 +39,15 @@ def add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_SIZE)
     in_row = cols < n_cols
+    # All three loads first: at decode the kernel is one row, all latency, and the weight's
+    # load would otherwise wait behind the reduction.
     x = tl.load(x_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
     delta = tl.load(delta_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     h = round_to(x + delta, h_ptr.dtype.element_ty)
     tl.store(h_ptr + row + cols, h, mask=in_row)
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     tl.store(y_ptr + row + cols, round_to(h * rstd * weight, y_ptr.dtype.element_ty), mask=in_row)
 
 

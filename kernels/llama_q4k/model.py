@@ -13,9 +13,11 @@ The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedF
   tensors. Each residual add is done by the kernel that normalizes its sum (add_rmsnorm.py):
   a layer hands its last output to the next one unsummed. RoPE writes k and v into the KV
   cache itself (rope_cache.py). Four launches fewer per layer than the unfused ops.
-- Attention is F.scaled_dot_product_attention with GQA over a static, preallocated KV cache.
-  It is masked by position, so a decode step has fixed shapes and can be captured as a CUDA
-  graph (generate.py).
+- Attention runs over a static, preallocated KV cache, masked by position, so a decode step
+  has fixed shapes and can be captured as a CUDA graph (generate.py). Prefill uses
+  F.scaled_dot_product_attention with GQA; a decode token takes decode_attention.py's two
+  kernels (rope, the cache write and split-K attention), which replace the rope kernel and the
+  six kernels SDPA launched per layer.
 
 The same Transformer built with `ops=TORCH_OPS, dequantize=True` is the plain PyTorch model
 (the bf16 prefill baseline). `reference_logits` is a separate fp32 forward on the same
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
+from kernels.llama_q4k.decode_attention import decode_attention, torch_decode_attention
 from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.q4k.format import dequantize_q4_k
 from kernels.q4k_gemm.candidate import dequantize_to
@@ -107,14 +110,17 @@ class Ops(NamedTuple):
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     # rope on q and k with k and v written into the KV cache; returns the rotated q
     rope_cache: Callable[..., Tensor]
+    # one decode token per batch row: rope, the cache write and attention over the cache
+    decode_attention: Callable[..., Tensor]
 
 
-KERNEL_OPS = Ops(rmsnorm, silu_mul, add_rms_norm, rope_cache)
+KERNEL_OPS = Ops(rmsnorm, silu_mul, add_rms_norm, rope_cache, decode_attention)
 TORCH_OPS = Ops(
     torch_rms_norm,
     torch_silu_mul,
     torch_add_rms_norm,
     partial(rope_cache, rope=torch_rope),
+    partial(torch_decode_attention, rope=torch_rope),
 )
 
 
@@ -213,10 +219,21 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None) -> Tensor:
         assert self.kv_cache is not None, "call Transformer.setup_caches first"
         batch, seq, _ = x.shape
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if seq == 1:  # decode: two launches for rope, the cache write and attention
+            y = self.ops.decode_attention(
+                input_pos,
+                q.reshape(batch, self.n_heads, self.head_dim),
+                k.reshape(batch, self.n_kv_heads, self.head_dim),
+                v.reshape(batch, self.n_kv_heads, self.head_dim),
+                self.inv_freq,
+                self.kv_cache.k,
+                self.kv_cache.v,
+            )
+            return self.wo(y.view(batch, 1, self.q_size))
 
         # One launch rotates q and k and writes k and v into the cache at their positions (the
         # launcher takes [tokens, heads, head_dim] and one position per token).
@@ -260,7 +277,7 @@ class TransformerBlock(nn.Module):
         self.register_buffer("ffn_norm", ffn_norm.float())
 
     def forward(
-        self, x: Tensor, delta: Tensor | None, input_pos: Tensor, mask: Tensor
+        self, x: Tensor, delta: Tensor | None, input_pos: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         """The residual stream is x + delta (delta: the previous layer's last output, or None);
         returns this layer's stream and last output, still unsummed, so that each add is done
@@ -346,7 +363,8 @@ class Transformer(nn.Module):
         Positions must be consecutive; keys past each query's position are masked, which also
         hides whatever an earlier, longer sequence left in the cache.
         """
-        mask = self.key_positions[None, :] <= input_pos[:, None]  # [seq, max_seq]
+        # Prefill's mask [seq, max_seq]; decode masks by position inside its attention kernel.
+        mask = self.key_positions[None, :] <= input_pos[:, None] if tokens.shape[1] > 1 else None
         x, delta = self.tok_embeddings(tokens), None
         for layer in self.layers:
             x, delta = layer(x, delta, input_pos, mask)
