@@ -20,8 +20,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.rmsnorm.candidate import MAX_FUSED_ROW, round_to
+from kernels.silu_mul.candidate import can_launch_dependents
 
 
 @triton.jit
@@ -34,7 +36,10 @@ def add_rmsnorm_kernel(
     n_cols,
     eps,
     BLOCK_SIZE: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # the GEMV after it may start streaming its weights
     # One program per row: the rows here are decode's handful, or prefill's, a few hundred.
     row = tl.program_id(0).to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_SIZE)
@@ -86,6 +91,7 @@ def add_rms_norm(
             hidden,
             eps,
             BLOCK_SIZE=block,
+            LAUNCH_DEPENDENTS=can_launch_dependents(x_rows),
             num_warps=min(max(block // 1024, 1), 16),
         )
     return h.reshape(x.shape), y.reshape(x.shape)

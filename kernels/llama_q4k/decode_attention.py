@@ -35,9 +35,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.rope.candidate import round_to
+from kernels.silu_mul.candidate import can_launch_dependents
 
 # Cache positions per program. 64 keeps a split's K and V tiles (2 x 64 x 128 bf16) in
 # registers and gives a few hundred programs at a few thousand positions.
@@ -156,8 +158,17 @@ def decode_attention_partial_kernel(
 
 @triton.jit
 def decode_attention_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    n_splits,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # the output projection's GEMV may start streaming its weights
     head = tl.program_id(0).to(tl.int64)  # batch row * heads + head
     splits = tl.arange(0, BLOCK_S)
     real = splits < n_splits
@@ -261,7 +272,15 @@ def decode_attention(
     )
     out = torch.empty((batch, q_heads * head_dim), dtype=q.dtype, device=q.device)
     decode_attention_combine_kernel[(batch * q_heads,)](
-        m, l_sum, acc, out, n_splits, D=head_dim, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4
+        m,
+        l_sum,
+        acc,
+        out,
+        n_splits,
+        D=head_dim,
+        BLOCK_S=triton.next_power_of_2(n_splits),
+        LAUNCH_DEPENDENTS=can_launch_dependents(q),
+        num_warps=4,
     )
     return out
 

@@ -485,6 +485,12 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     return;
   }
 
+  // Launched as a programmatic dependent of the kernel before it (the model's norm, attention
+  // or SwiGLU), the grid starts while that kernel still runs: the producer streams weights,
+  // which nothing writes, and the consumers wait here until x (and y's memory) is theirs. A
+  // plain launch returns from the wait at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+
   // x of this warp's blocks, while the weights are in flight: per sub-block, a power-of-two
   // scale that puts max |x| in [2^12, 2^13) so fp16 holds it whatever its range, then fp16 in
   // the order the MMAs take it (pairs k, k+2 and k+1, k+3 of every 4), and its sums. Lane l
@@ -656,30 +662,46 @@ int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memo
   return per_sm;
 }
 
-void q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int grid, int shared_bytes, cudaStream_t stream) {
-  q4k_gemv_b1_kernel<<<grid, (WARPS + 1) * 32, shared_bytes, stream>>>(
-      static_cast<const unsigned char*>(W), static_cast<const u16*>(x), static_cast<u16*>(y),
-      n_rows, n_blocks, x_is_bf16);
+// `dependent`: launch with programmatic stream serialization, so the grid may start before
+// the previous kernel in the stream ends (it waits for it before touching x and y).
+bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3((WARPS + 1) * 32);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, q4k_gemv_b1_kernel, static_cast<const unsigned char*>(W),
+                            static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
+                            x_is_bf16) == cudaSuccess;
 }
 """
 
 CUDA_BINDING = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 bool q4k_gemv_b1_allow(int max_bytes);
 int q4k_gemv_b1_resident(int shared_bytes);
-void q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int grid, int shared_bytes, cudaStream_t stream);
+bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream);
 
 bool allow(int64_t max_bytes) { return q4k_gemv_b1_allow((int)max_bytes); }
 int64_t resident(int64_t shared_bytes) { return q4k_gemv_b1_resident((int)shared_bytes); }
 
-void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t grid, int64_t shared_bytes) {
-  q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
-                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)grid,
-                     (int)shared_bytes, c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t grid, int64_t shared_bytes,
+            bool dependent) {
+  const bool ok = q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
+                                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)grid,
+                                     (int)shared_bytes, dependent,
+                                     c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  TORCH_CHECK(ok, "q4k_gemv_b1 launch failed: ", cudaGetErrorString(cudaGetLastError()));
 }
 """
 
@@ -710,9 +732,11 @@ class CudaGemvB1:
         stages: int = CUDA_STAGES,
         ctas_per_sm: int = 0,
         min_ctas: int = CUDA_MIN_CTAS,
+        dependent: bool | None = None,
     ) -> None:
         """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
-        `min_ctas`: the CTAs per SM the compiler must leave registers for."""
+        `min_ctas`: the CTAs per SM the compiler must leave registers for; `dependent`: launch
+        as a programmatic dependent of the previous kernel (default: unless LOOM_Q4K_PDL=0)."""
         from torch.utils.cpp_extension import load_inline
 
         major, minor = torch.cuda.get_device_capability(device)
@@ -736,6 +760,7 @@ class CudaGemvB1:
                 verbose=False,
             )
         self.stages, self.ctas_per_sm = stages, ctas_per_sm
+        self.dependent = os.environ.get("LOOM_Q4K_PDL") != "0" if dependent is None else dependent
         self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
         with torch.cuda.device(device):
             if not self.module.allow(self.max_shared):
@@ -762,7 +787,12 @@ class CudaGemvB1:
     def __call__(self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor) -> None:
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
         self.module.launch(
-            weight_q4k, x, out, self.grid(n_rows, n_blocks), cuda_shared_bytes(n_blocks, self.stages)
+            weight_q4k,
+            x,
+            out,
+            self.grid(n_rows, n_blocks),
+            cuda_shared_bytes(n_blocks, self.stages),
+            self.dependent,
         )
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 # 1024 elements per program: 8 per thread at 4 warps, enough bytes in flight per SM for an
 # elementwise kernel, and a tail block on every intermediate size that is not a multiple of it.
@@ -51,7 +52,10 @@ def silu_mul_kernel(
     out_row_stride,
     intermediate,
     BLOCK_SIZE: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # see can_launch_dependents
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_row = cols < intermediate
@@ -66,6 +70,22 @@ def silu_mul_kernel(
 
 def _runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def can_launch_dependents(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device may let a programmatic dependent launch start at once.
+
+    The next kernel, if launched as a programmatic dependent (the model program's CUDA Q4_K
+    GEMV is), then starts its work that needs nothing from this one (streaming its weights)
+    while this one runs, and waits for this one's results with griddepcontrol.wait. On a
+    plain launch the signal does nothing. Hopper and newer NVIDIA GPUs only.
+    """
+    return (
+        x.is_cuda
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and os.environ.get("LOOM_Q4K_PDL") != "0"
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,6 +109,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         intermediate,
         BLOCK_SIZE=BLOCK_SIZE,
+        LAUNCH_DEPENDENTS=can_launch_dependents(rows),
         num_warps=4,
     )
     return out.reshape(*gate_up.shape[:-1], intermediate)
