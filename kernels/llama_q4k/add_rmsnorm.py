@@ -20,10 +20,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.rmsnorm.candidate import MAX_FUSED_ROW, round_to
-from kernels.silu_mul.candidate import can_launch_dependents
+from kernels.silu_mul.candidate import pdl_launch
 
 
 @triton.jit
@@ -36,19 +36,21 @@ def add_rmsnorm_kernel(
     n_cols,
     eps,
     BLOCK_SIZE: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()  # the GEMV after it may start streaming its weights
+    if PDL:  # see pdl_launch: the GEMV after this one may start streaming its weights
+        gdc_launch_dependents()
     # One program per row: the rows here are decode's handful, or prefill's, a few hundred.
     row = tl.program_id(0).to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_SIZE)
     in_row = cols < n_cols
     # All three loads first: at decode the kernel is one row, all latency, and the weight's
     # load would otherwise wait behind the reduction.
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # never written
+    if PDL:
+        gdc_wait()  # x and delta are earlier kernels' outputs
     x = tl.load(x_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
     delta = tl.load(delta_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     h = round_to(x + delta, h_ptr.dtype.element_ty)
     tl.store(h_ptr + row + cols, h, mask=in_row)
     h = h.to(tl.float32)
@@ -91,8 +93,8 @@ def add_rms_norm(
             hidden,
             eps,
             BLOCK_SIZE=block,
-            LAUNCH_DEPENDENTS=can_launch_dependents(x_rows),
             num_warps=min(max(block // 1024, 1), 16),
+            **pdl_launch(x_rows),
         )
     return h.reshape(x.shape), y.reshape(x.shape)
 

@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.rope.candidate import round_to
-from kernels.silu_mul.candidate import can_launch_dependents
+from kernels.silu_mul.candidate import pdl_launch
 
 # Cache positions per program. 64 keeps a split's K and V tiles (2 x 64 x 128 bf16) in
 # registers and gives a few hundred programs at a few thousand positions.
@@ -90,7 +90,10 @@ def decode_attention_partial_kernel(
     BLOCK_G: tl.constexpr,
     CHUNK: tl.constexpr,
     WIDEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # see pdl_launch: the combine after this one may start
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch_row = (pid // kv_heads).to(tl.int64)
@@ -102,6 +105,20 @@ def decode_attention_partial_kernel(
     angles = position.to(tl.float32) * tl.load(inv_freq_ptr + freqs)
     cos, sin = tl.cos(angles), tl.sin(angles)
 
+    # This split's keys and values from the cache: positions before the token's. Nothing in
+    # this step writes them, so under PDL they load while the qkv GEMV still runs.
+    keys = split * CHUNK + tl.arange(0, CHUNK)
+    from_cache = (keys < position)[:, None]
+    is_new = (keys == position)[:, None]
+    cache = batch_row * cache_batch_stride + kv_head * cache_head_stride
+    key_at = cache + keys[:, None].to(tl.int64) * cache_pos_stride
+    dims = tl.arange(0, 2 * HALF)
+    kc1 = tl.load(k_cache_ptr + key_at + freqs[None, :], mask=from_cache, other=0.0)
+    kc2 = tl.load(k_cache_ptr + key_at + HALF + freqs[None, :], mask=from_cache, other=0.0)
+    vc = tl.load(v_cache_ptr + key_at + dims[None, :], mask=from_cache, other=0.0)
+    if PDL:
+        gdc_wait()  # q, k and v are the GEMV's output
+
     # The group's query heads, rotated and rounded as the rope kernel stores them.
     g = tl.arange(0, BLOCK_G)[:, None]
     in_group = g < group
@@ -111,23 +128,13 @@ def decode_attention_partial_kernel(
     q1r = round_to(q1 * cos[None, :] - q2 * sin[None, :], dtype)
     q2r = round_to(q2 * cos[None, :] + q1 * sin[None, :], dtype)
 
-    # The token's key, rotated, and its value.
+    # The token's key, rotated, and its value, in place of the slot's stale contents.
     k_at = k_ptr + batch_row * k_batch_stride + kv_head * k_head_stride + freqs
     k1 = tl.load(k_at).to(tl.float32)
     k2 = tl.load(k_at + HALF).to(tl.float32)
     k1r = round_to(k1 * cos - k2 * sin, dtype)
     k2r = round_to(k2 * cos + k1 * sin, dtype)
-    dims = tl.arange(0, 2 * HALF)
     v_new = tl.load(v_ptr + batch_row * v_batch_stride + kv_head * v_head_stride + dims).to(dtype)
-
-    keys = split * CHUNK + tl.arange(0, CHUNK)
-    from_cache = (keys < position)[:, None]
-    is_new = (keys == position)[:, None]
-    cache = batch_row * cache_batch_stride + kv_head * cache_head_stride
-    key_at = cache + keys[:, None].to(tl.int64) * cache_pos_stride
-    kc1 = tl.load(k_cache_ptr + key_at + freqs[None, :], mask=from_cache, other=0.0)
-    kc2 = tl.load(k_cache_ptr + key_at + HALF + freqs[None, :], mask=from_cache, other=0.0)
-    vc = tl.load(v_cache_ptr + key_at + dims[None, :], mask=from_cache, other=0.0)
     kc1 = tl.where(is_new, k1r[None, :], kc1)
     kc2 = tl.where(is_new, k2r[None, :], kc2)
     vc = tl.where(is_new, v_new[None, :], vc)
@@ -165,10 +172,11 @@ def decode_attention_combine_kernel(
     n_splits,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()  # the output projection's GEMV may start streaming its weights
+    if PDL:  # see pdl_launch: the output projection's GEMV may start streaming its weights
+        gdc_launch_dependents()
+        gdc_wait()
     head = tl.program_id(0).to(tl.int64)  # batch row * heads + head
     splits = tl.arange(0, BLOCK_S)
     real = splits < n_splits
@@ -211,6 +219,8 @@ def decode_attention(
     inv_freq: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    chunk: int = CHUNK,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One decode token per batch row at position positions[0]: q [B, Hq, D], k and v [B, Hkv, D]
     (any strides with dense heads), caches [B, Hkv, max_seq, D]. Rotates q and k, writes k and v
@@ -235,7 +245,7 @@ def decode_attention(
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     group = q_heads // kv_heads
-    n_splits = triton.cdiv(max_seq, CHUNK)
+    n_splits = triton.cdiv(max_seq, chunk)
     parts = batch * q_heads * n_splits
     m = torch.empty(parts, dtype=torch.float32, device=q.device)
     l_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -266,9 +276,10 @@ def decode_attention(
         LOG2_E / math.sqrt(head_dim),
         HALF=head_dim // 2,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot wants 16 rows
-        CHUNK=CHUNK,
+        CHUNK=chunk,
         WIDEN=q.dtype == torch.float32 or INTERPRETED,
-        num_warps=4,
+        num_warps=num_warps,
+        **pdl_launch(q),
     )
     out = torch.empty((batch, q_heads * head_dim), dtype=q.dtype, device=q.device)
     decode_attention_combine_kernel[(batch * q_heads,)](
@@ -279,8 +290,8 @@ def decode_attention(
         n_splits,
         D=head_dim,
         BLOCK_S=triton.next_power_of_2(n_splits),
-        LAUNCH_DEPENDENTS=can_launch_dependents(q),
         num_warps=4,
+        **pdl_launch(q),
     )
     return out
 

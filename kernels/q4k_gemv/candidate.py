@@ -459,6 +459,9 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const u32 ring = shared_addr(smem);
   const u32 full = shared_addr(zero_line + 64), empty = full + 8 * STAGES;  // [STAGES] each
 
+  // Let the next kernel start (if launched as a programmatic dependent, it waits for this
+  // one's results itself): under PDL its set-up overlaps this kernel.
+  asm volatile("griddepcontrol.launch_dependents;");
   if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
   if (tid < STAGES) {
     bar_init(full + 8 * tid, 1);

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # 1024 elements per program: 8 per thread at 4 warps, enough bytes in flight per SM for an
 # elementwise kernel, and a tail block on every intermediate size that is not a multiple of it.
@@ -52,10 +52,11 @@ def silu_mul_kernel(
     out_row_stride,
     intermediate,
     BLOCK_SIZE: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()  # see can_launch_dependents
+    if PDL:  # see pdl_launch
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     in_row = cols < intermediate
@@ -72,20 +73,34 @@ def _runs_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def can_launch_dependents(x: torch.Tensor) -> bool:
-    """Whether a kernel on x's device may let a programmatic dependent launch start at once.
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
-    The next kernel, if launched as a programmatic dependent (the model program's CUDA Q4_K
-    GEMV is), then starts its work that needs nothing from this one (streaming its weights)
-    while this one runs, and waits for this one's results with griddepcontrol.wait. On a
-    plain launch the signal does nothing. Hopper and newer NVIDIA GPUs only.
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """Launch arguments that make a kernel on x's device a programmatic dependent launch (PDL);
+    none where that does not exist (not NVIDIA Hopper or newer, or LOOM_Q4K_PDL=0).
+
+    Such a kernel (compiled with PDL=True) first lets the next kernel start
+    (gdc_launch_dependents), does only what needs nothing from earlier kernels, and waits
+    (gdc_wait) before it reads their results or writes anything. Launched with `launch_pdl`
+    it may itself start while the kernel before it still runs. Decode is a chain of short
+    kernels: this hides their launches, and lets the model program's CUDA Q4_K GEMV stream
+    its weights while the kernel before it runs. The signal and the wait are harmless in a
+    plain launch, so they stay where this Triton has no launch_pdl.
     """
-    return (
+    if not (
         x.is_cuda
         and torch.version.hip is None
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
         and os.environ.get("LOOM_Q4K_PDL") != "0"
-    )
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    ):
+        return {}
+    return {"PDL": True, "launch_pdl": True} if _triton_launches_pdl() else {"PDL": True}
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -109,8 +124,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         intermediate,
         BLOCK_SIZE=BLOCK_SIZE,
-        LAUNCH_DEPENDENTS=can_launch_dependents(rows),
         num_warps=4,
+        **pdl_launch(rows),
     )
     return out.reshape(*gate_up.shape[:-1], intermediate)
 
