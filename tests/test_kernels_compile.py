@@ -146,22 +146,32 @@ def test_kernels_compile_at_task_shapes(path, target, monkeypatch, tmp_path):
     module, launches = record_launches(path, monkeypatch)
     assert launches, "the Triton path launched no kernel"
     kernels = jit_kernels(module)
+    builds = []
     for launch in sorted(launches, key=repr):
+        builds.append((launch, dict(launch.constexprs), dict(launch.options)))
+        # Kernels with a PDL switch take it on NVIDIA GPUs only, where a CPU recording never
+        # goes: build that variant too (grid-dependency control in place, launched with PDL).
+        if target == "sm_90" and "PDL" in dict(launch.constexprs):
+            pdl_options = dict(launch.options) | {"launch_pdl": True}
+            builds.append((launch, dict(launch.constexprs) | {"PDL": True}, pdl_options))
+    for launch, constexprs, options in builds:
         source = ASTSource(
             fn=kernels[launch.kernel],
             signature=dict(launch.signature),
-            constexprs=dict(launch.constexprs),
+            constexprs=constexprs,
         )
-        compiled = triton.compile(source, target=TARGETS[target], options=dict(launch.options))
+        compiled = triton.compile(source, target=TARGETS[target], options=options)
         binary = "cubin" if target == "sm_90" else "hsaco"
         assert compiled.asm.get(binary), f"{launch.kernel}: no {binary}"
         if target == "sm_90":
             registers, spills = ptxas_report(compiled.asm["ptx"], tmp_path)
             print(
                 f"{path.parent.name}/{path.name} {launch.kernel} {sorted({t for _, t in launch.signature if t[0] == '*'})} "
-                f"{dict(launch.constexprs)} "
-                f"{dict(launch.options)}: {registers} registers, {spills} B spilled"
+                f"{constexprs} "
+                f"{options}: {registers} registers, {spills} B spilled"
             )
+            if constexprs.get("PDL"):
+                assert "griddepcontrol" in compiled.asm["ptx"], f"{launch.kernel}: PDL=True has no griddepcontrol"
             # A spill in a bandwidth-bound kernel turns into extra memory traffic.
-            assert spills == 0, f"{launch.kernel} {dict(launch.constexprs)} spills {spills} B"
+            assert spills == 0, f"{launch.kernel} {constexprs} spills {spills} B"
             assert registers <= 255

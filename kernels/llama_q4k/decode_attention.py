@@ -104,8 +104,6 @@ def decode_attention_partial_kernel(
 
     position = tl.load(positions_ptr)
     freqs = tl.arange(0, HALF)
-    angles = position.to(tl.float32) * tl.load(inv_freq_ptr + freqs)
-    cos, sin = tl.cos(angles), tl.sin(angles)
 
     # This split's keys and values from the cache: positions before the token's. Nothing in
     # this step writes them, so under PDL they load while the qkv GEMV still runs.
@@ -118,6 +116,10 @@ def decode_attention_partial_kernel(
     kc1 = tl.load(k_cache_ptr + key_at + freqs[None, :], mask=from_cache, other=0.0)
     kc2 = tl.load(k_cache_ptr + key_at + HALF + freqs[None, :], mask=from_cache, other=0.0)
     vc = tl.load(v_cache_ptr + key_at + dims[None, :], mask=from_cache, other=0.0)
+    # (the angles come after the tiles' loads: libdevice's sin and cos placed before them left
+    # 88 B of registers spilled at 4 warps in ptxas for sm_90)
+    angles = position.to(tl.float32) * tl.load(inv_freq_ptr + freqs)
+    cos, sin = tl.cos(angles), tl.sin(angles)
     if PDL:
         gdc_wait()  # q, k and v are the GEMV's output
 
