@@ -93,6 +93,53 @@ def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
     assert torch.equal(captured, eager)
 
 
+@pytest.mark.gpu
+def test_programmatic_dependent_launches_read_each_result(candidate, monkeypatch):
+    """The model's decode chain under PDL: each kernel lets the next one start early, and each
+    waits for the one before it before reading its output. A chain where every GEMV reads the
+    norm just written and every norm reads the GEMV just written gives the same bits with PDL
+    on and off, eagerly and from a CUDA graph; a missing wait would read stale values."""
+    import torch
+
+    from kernels.llama_q4k.add_rmsnorm import add_rms_norm
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel and PDL run on sm_90")
+    task = load("q4k_cuda_test_task_pdl", TASK_DIR / "task.py")
+    torch.manual_seed(0)
+    x, w = task.get_inputs(batch=1, n=4096, k=4096)
+    x, w = x.cuda(), w.cuda()
+    norm_weight = torch.rand(4096, device="cuda") + 0.5
+
+    def chain(h, y):
+        outs = []
+        for _ in range(12):
+            h, normed = add_rms_norm(h, y, norm_weight, 1e-5, constant_weight=True)
+            y = candidate.q4k_gemv(normed, w, constant_weight=True)
+            outs.append(y)
+        return torch.cat(outs)
+
+    results = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("LOOM_Q4K_PDL", pdl)
+        eager = chain(x, x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(x, x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain(x, x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(eager).all()
+        results[pdl] = (eager, captured.clone())
+    assert torch.equal(results["1"][0], results["0"][0])
+    assert torch.equal(results["1"][1], results["0"][0])
+    assert torch.equal(results["0"][1], results["0"][0])
+
+
 def test_cuda_probe_describes_itself():
     pytest.importorskip("torch")
     result = subprocess.run(

@@ -7,7 +7,10 @@ First every case below is checked against a float64 product of the gguf-exact de
 (the task's own `check`): Llama shapes, odd row counts, short K, fp16 and bf16, and x scaled by
 64 and 1e-3, heavy-tailed, or with whole sub-blocks of zeros. Then the CUDA kernel and the
 Triton kernel are timed on the Llama-3-8B shapes the way tools/sweep_q4k.py times them: L2-cold
-rotating weights, one CUDA graph, median and P10/P90 over replays. Writes probe_q4k_cuda.json.
+rotating weights, one CUDA graph, median and P10/P90 over replays. The CUDA kernel is timed
+twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pdl", the model
+program's way: each call streams its weight while the one before it finishes). Writes
+probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ def main() -> int:
         line = {"shape": [1, n, k], "sets": len(sets)}
         timed = [
             ("cuda", lambda x, w: cand.q4k_gemv(x, w)),
+            # the rotating weights are never written: launched as a programmatic dependent,
+            # each call streams its weight while the call before it finishes
+            ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
             ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
         ]
         for name, variant in variants.items():

@@ -37,18 +37,21 @@ def add_rmsnorm_kernel(
     eps,
     BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr = False,
+    WEIGHT_BEFORE_WAIT: tl.constexpr = False,
 ):
     if PDL:  # see pdl_launch: the GEMV after this one may start streaming its weights
         gdc_launch_dependents()
+        if not WEIGHT_BEFORE_WAIT:
+            gdc_wait()
     # One program per row: the rows here are decode's handful, or prefill's, a few hundred.
     row = tl.program_id(0).to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_SIZE)
     in_row = cols < n_cols
     # All three loads first: at decode the kernel is one row, all latency, and the weight's
     # load would otherwise wait behind the reduction.
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # never written
-    if PDL:
-        gdc_wait()  # x and delta are earlier kernels' outputs
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    if PDL and WEIGHT_BEFORE_WAIT:
+        gdc_wait()  # x and delta are earlier kernels' outputs; a constant weight is not
     x = tl.load(x_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
     delta = tl.load(delta_ptr + row + cols, mask=in_row, other=0.0).to(tl.float32)
     h = round_to(x + delta, h_ptr.dtype.element_ty)
@@ -69,9 +72,16 @@ def torch_add_rms_norm(
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    constant_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rmsnorm(x + delta) * weight), both in x's dtype, from one kernel."""
+    """(x + delta, rmsnorm(x + delta) * weight), both in x's dtype, from one kernel.
+
+    `constant_weight`: the caller promises no kernel writes the weight, so under PDL it loads
+    before the wait for the kernels before this one."""
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return torch_add_rms_norm(x, delta, weight, eps)
     hidden = x.shape[-1]
@@ -94,6 +104,7 @@ def add_rms_norm(
             eps,
             BLOCK_SIZE=block,
             num_warps=min(max(block // 1024, 1), 16),
+            WEIGHT_BEFORE_WAIT=constant_weight,
             **pdl_launch(x_rows),
         )
     return h.reshape(x.shape), y.reshape(x.shape)

@@ -93,9 +93,12 @@ def decode_attention_partial_kernel(
     CHUNK: tl.constexpr,
     WIDEN: tl.constexpr,
     PDL: tl.constexpr = False,
+    CACHE_BEFORE_WAIT: tl.constexpr = False,
 ):
     if PDL:  # see pdl_launch: the combine after this one may start
         gdc_launch_dependents()
+        if not CACHE_BEFORE_WAIT:
+            gdc_wait()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     batch_row = (pid // kv_heads).to(tl.int64)
@@ -105,8 +108,9 @@ def decode_attention_partial_kernel(
     position = tl.load(positions_ptr)
     freqs = tl.arange(0, HALF)
 
-    # This split's keys and values from the cache: positions before the token's. Nothing in
-    # this step writes them, so under PDL they load while the qkv GEMV still runs.
+    # This split's keys and values from the cache: positions before the token's. When the
+    # caller says the cache is settled (no kernel in flight writes it: the model's decode step),
+    # they load under PDL while the qkv GEMV still runs.
     keys = split * CHUNK + tl.arange(0, CHUNK)
     from_cache = (keys < position)[:, None]
     is_new = (keys == position)[:, None]
@@ -120,7 +124,7 @@ def decode_attention_partial_kernel(
     # 88 B of registers spilled at 4 warps in ptxas for sm_90)
     angles = position.to(tl.float32) * tl.load(inv_freq_ptr + freqs)
     cos, sin = tl.cos(angles), tl.sin(angles)
-    if PDL:
+    if PDL and CACHE_BEFORE_WAIT:
         gdc_wait()  # q, k and v are the GEMV's output
 
     # The group's query heads, rotated and rounded as the rope kernel stores them.
@@ -223,6 +227,7 @@ def decode_attention(
     inv_freq: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    settled_cache: bool = False,
     chunk: int = CHUNK,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -230,7 +235,9 @@ def decode_attention(
     (any strides with dense heads), caches [B, Hkv, max_seq, D]. Rotates q and k, writes k and v
     into the caches at the position, and returns the attention output [B, Hq * D] over cache
     positions 0..position. Two kernels on GPU tensors and under the interpreter; plain PyTorch
-    on CPU tensors otherwise."""
+    on CPU tensors otherwise. `settled_cache`: the caller promises that no kernel still in
+    flight writes `positions` or the caches' earlier positions, so under PDL they load before
+    the wait for the kernels before this one."""
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return torch_decode_attention(positions, q, k, v, inv_freq, k_cache, v_cache)
     batch, q_heads, head_dim = q.shape
@@ -282,6 +289,7 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot wants 16 rows
         CHUNK=chunk,
         WIDEN=q.dtype == torch.float32 or INTERPRETED,
+        CACHE_BEFORE_WAIT=settled_cache,
         num_warps=num_warps,
         **pdl_launch(q),
     )

@@ -114,7 +114,15 @@ class Ops(NamedTuple):
     decode_attention: Callable[..., Tensor]
 
 
-KERNEL_OPS = Ops(rmsnorm, silu_mul, add_rms_norm, rope_cache, decode_attention)
+# The model's norm weights never change and a decode step's cache is settled when it starts:
+# under PDL those reads may start before the kernels ahead of them finish.
+KERNEL_OPS = Ops(
+    rmsnorm,
+    silu_mul,
+    partial(add_rms_norm, constant_weight=True),
+    rope_cache,
+    partial(decode_attention, settled_cache=True),
+)
 TORCH_OPS = Ops(
     torch_rms_norm,
     torch_silu_mul,
@@ -141,7 +149,7 @@ class Q4KLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= GEMV_MAX_ROWS:
-            out = q4k_gemv(rows, self.weight)
+            out = q4k_gemv(rows, self.weight, constant_weight=True)  # parameters: never written
         else:
             # Prefill: compute-bound from ~60 rows; the dense matmul wants the weights dequantized.
             out = rows @ dequantize_to(self.weight, x.dtype).T

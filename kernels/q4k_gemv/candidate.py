@@ -735,11 +735,9 @@ class CudaGemvB1:
         stages: int = CUDA_STAGES,
         ctas_per_sm: int = 0,
         min_ctas: int = CUDA_MIN_CTAS,
-        dependent: bool | None = None,
     ) -> None:
         """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
-        `min_ctas`: the CTAs per SM the compiler must leave registers for; `dependent`: launch
-        as a programmatic dependent of the previous kernel (default: unless LOOM_Q4K_PDL=0)."""
+        `min_ctas`: the CTAs per SM the compiler must leave registers for."""
         from torch.utils.cpp_extension import load_inline
 
         major, minor = torch.cuda.get_device_capability(device)
@@ -763,7 +761,6 @@ class CudaGemvB1:
                 verbose=False,
             )
         self.stages, self.ctas_per_sm = stages, ctas_per_sm
-        self.dependent = os.environ.get("LOOM_Q4K_PDL") != "0" if dependent is None else dependent
         self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
         with torch.cuda.device(device):
             if not self.module.allow(self.max_shared):
@@ -787,7 +784,12 @@ class CudaGemvB1:
         resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
         return -(-tiles // -(-tiles // resident))
 
-    def __call__(self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(
+        self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor, dependent: bool = False
+    ) -> None:
+        """`dependent`: launch as a programmatic dependent of the kernel before it in the
+        stream, whose weight reads then start before that kernel's writes are visible: only for
+        a weight no kernel writes (see q4k_gemv's constant_weight)."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
         self.module.launch(
             weight_q4k,
@@ -795,7 +797,7 @@ class CudaGemvB1:
             out,
             self.grid(n_rows, n_blocks),
             cuda_shared_bytes(n_blocks, self.stages),
-            self.dependent,
+            dependent and os.environ.get("LOOM_Q4K_PDL") != "0",
         )
 
 
@@ -848,9 +850,18 @@ def _dequantize_q4_k(packed: torch.Tensor) -> torch.Tensor:
 
 
 def q4k_gemv(
-    x: torch.Tensor, weight_q4k: torch.Tensor, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight_q4k: torch.Tensor,
+    config: GemvConfig | None = None,
+    constant_weight: bool = False,
 ) -> torch.Tensor:
-    """x [batch, K] @ dequantize(weight_q4k [N, K / 256 * 144]).T -> [batch, N] in x's dtype."""
+    """x [batch, K] @ dequantize(weight_q4k [N, K / 256 * 144]).T -> [batch, N] in x's dtype.
+
+    `constant_weight`: the caller promises no kernel writes the weight (a model's parameters).
+    The CUDA kernel is then launched as a programmatic dependent (PDL, Hopper): it streams the
+    weight while the kernel before it still runs, and waits for that kernel only before it
+    reads x. Without the promise it is a plain launch, since a weight written by the kernel
+    just before could be read stale."""
     batch, k = x.shape
     n_rows = weight_q4k.shape[0]
     if (
@@ -872,7 +883,7 @@ def q4k_gemv(
     n_blocks = k // QK_K
     kernel = _cuda_kernel(x, weight_q4k, n_blocks) if config is None and batch == 1 and x.is_cuda else None
     if kernel is not None:
-        kernel(x, weight_q4k, out)
+        kernel(x, weight_q4k, out, dependent=constant_weight)
         return out
     config = config or pick_config(n_rows, n_blocks, batch)
     if config.method == "mma":
