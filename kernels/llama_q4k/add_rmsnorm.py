@@ -20,10 +20,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.rmsnorm.candidate import MAX_FUSED_ROW, round_to
-from kernels.silu_mul.candidate import pdl_launch
+from kernels.silu_mul.candidate import gdc_launch_dependents, gdc_wait, pdl_launch
 
 
 @triton.jit

@@ -35,11 +35,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.rope.candidate import round_to
-from kernels.silu_mul.candidate import pdl_launch
+from kernels.silu_mul.candidate import gdc_launch_dependents, gdc_wait, pdl_launch
 
 # Cache positions per program. On the H200 (tools/probe_decode_attention.py, graph replays
 # over 32 layers' caches, PDL on): 4.84 us a call at 576 positions and 12.65 us at 4096 with 64

@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # grid-dependency control (PDL); absent from Triton builds without the NVIDIA backend
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 # 1024 elements per program: 8 per thread at 4 warps, enough bytes in flight per SM for an
 # elementwise kernel, and a tail block on every intermediate size that is not a multiple of it.
@@ -95,6 +99,7 @@ def pdl_launch(x: torch.Tensor) -> dict:
     """
     if not (
         x.is_cuda
+        and gdc_wait is not None
         and torch.version.hip is None
         and os.environ.get("LOOM_Q4K_PDL") != "0"
         and torch.cuda.get_device_capability(x.device)[0] >= 9
