@@ -385,6 +385,13 @@ __device__ __forceinline__ U4 lds128(u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+// Byte `selector & 3` of `word` as a float, exactly: PRMT builds 0x4B0000bb (2^23 + bb), and
+// one add takes 2^23 away. Two full-rate instructions where a shift, a mask and an I2F were;
+// `selector` is 0x7540 | byte (the other three result bytes: 0x00, 0x00, 0x4B).
+__device__ __forceinline__ float byte_to_float(u32 word, u32 selector) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, selector)) - 8388608.f;
+}
+
 __device__ __forceinline__ float half_to_float(u16 h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -559,6 +566,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const u32 x_base = feeds ? shared_addr(xs) + g * 64 : shared_addr(zero_line);
   const u32 x_step = feeds ? 512u : 0u;
   const int bsel = (2 * t) & 3;  // byte of the packed 6-bit scale word for sub-block 2t
+  const u32 pick_even = 0x7540u | bsel, pick_odd = 0x7540u | (bsel + 1);  // see byte_to_float
 
   int i = 0;
   for (int tile_iter = 0; tile_iter < my_tiles; ++tile_iter) {
@@ -612,10 +620,10 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
             scw = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
             mw = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
           }
-          dsc[2 * r] = d * (float)((scw >> (8 * bsel)) & 0xFFu);
-          dsc[2 * r + 1] = d * (float)((scw >> (8 * bsel + 8)) & 0xFFu);
-          dmm[2 * r] = dmin * (float)((mw >> (8 * bsel)) & 0xFFu);
-          dmm[2 * r + 1] = dmin * (float)((mw >> (8 * bsel + 8)) & 0xFFu);
+          dsc[2 * r] = d * byte_to_float(scw, pick_even);
+          dsc[2 * r + 1] = d * byte_to_float(scw, pick_odd);
+          dmm[2 * r] = dmin * byte_to_float(mw, pick_even);
+          dmm[2 * r + 1] = dmin * byte_to_float(mw, pick_odd);
         }
         acc[0] += dsc[0] * m0.y * (c[0] - m0.x) - dmm[0] * m0.z;
         acc[1] += dsc[1] * m1.y * (c[1] - m1.x) - dmm[1] * m1.z;
