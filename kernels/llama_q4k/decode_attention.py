@@ -18,6 +18,11 @@ Here:
 The splits are static (max_seq / CHUNK of them, so a CUDA graph can capture the launch); a split
 past the position loads nothing (its loads are masked off) and reports an empty partial.
 
+On Hopper both kernels are programmatic dependent launches (see silu_mul's `pdl_launch`): they
+wait for the kernel before them only where they read its output. With `settled_cache=True`
+(the model's decode step) the partial kernel loads its cache tiles before that wait, while the
+qkv GEMV is still running.
+
 Numerics: q and k are rounded to the activation dtype after rotation, as the rope kernel stores
 them; scores and the softmax are fp32 (exp2 with log2(e) folded into the scale); probabilities
 are rounded to the activation dtype for the product with V, as flash attention does.
