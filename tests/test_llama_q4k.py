@@ -508,3 +508,11 @@ def test_bench_writes_a_decode_trace_our_analyzer_reads(tmp_path):
 
 if __name__ == "__main__":
     print(json.dumps(interpreted_check(sys.argv[1])))
+
+
+def test_decode_attention_probe_describes_itself():
+    """tools/probe_decode_attention.py (gpu_session.sh `attention`) starts without a GPU."""
+    child = subprocess.run([sys.executable, str(REPO / "tools" / "probe_decode_attention.py"), "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "decode attention" in child.stdout and "--replays" in child.stdout

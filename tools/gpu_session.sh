@@ -16,6 +16,7 @@
 #   floor       the Q4_K GEMV against kernels that only read its weight (tiled as it is, and flat)
 #   cuda        the candidate's CUDA batch-1 Q4_K GEMV: checks, then timed against its Triton kernel
 #   stream      the streaming floors of that kernel's producer/consumer structure (no arithmetic)
+#   attention   the model's decode attention, variants against RoPE + SDPA
 #   kernels     the roofline table of every kernel task
 #   loop        every kernel task (or $LOOP_TASKS, comma-separated) through submit_candidate over MCP
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
@@ -46,6 +47,8 @@ case "$phase" in
     timeout 300 python3 tools/probe_q4k_cuda.py --out "$out" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} 2>&1 | grep -v Warn | tail -24 ;;
   stream)
     OUT="$out" timeout 300 python3 tools/stream_floor_cuda.py 2>&1 | grep -v Warn | tail -40 ;;
+  attention)
+    timeout 200 python3 tools/probe_decode_attention.py --out "$out" 2>&1 | grep -v Warn | cut -c1-600 ;;
   kernels)
     timeout 260 python3 tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
     tail -40 "$out/bench_kernels.log" ;;
