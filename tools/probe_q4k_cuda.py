@@ -9,8 +9,9 @@ First every case below is checked against a float64 product of the gguf-exact de
 Triton kernel are timed on the Llama-3-8B shapes the way tools/sweep_q4k.py times them: L2-cold
 rotating weights, one CUDA graph, median and P10/P90 over replays. The CUDA kernel is timed
 twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pdl", the model
-program's way: each call streams its weight while the one before it finishes). Writes
-probe_q4k_cuda.json.
+program's way: each call streams its weight while the one before it finishes). With
+`--against OLD/candidate.py`, that file's CUDA kernel is checked and timed in the same run
+("against_cuda", "against_cuda_pdl"): A/B on one machine state. Writes probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def main() -> int:
         default="",
         help="extra builds to time, as stages:ctas_per_sm[:min_ctas], e.g. 2:0,4:0:2 (0: as many as fit)",
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another candidate.py (say, the last commit's) whose CUDA kernel is checked and timed "
+        "beside this one's, in the same run",
+    )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "cuda_probe_base")
@@ -79,7 +86,15 @@ def main() -> int:
         variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}"] = cand.CudaGemvB1(
             torch.device("cuda"), stages, per_sm, min_ctas
         )
+    other = None
+    if args.against:
+        other = load(args.against.resolve(), "cuda_probe_against")
+        if other.cuda_gemv_b1(torch.device("cuda")) is None:
+            print(f"the CUDA kernel of {args.against} did not load", file=sys.stderr)
+            return 1
     result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
+    if other is not None:
+        result["against"] = str(args.against)
     failures = 0
     torch.manual_seed(0)
     for n, k, dtype, how in CHECKED:
@@ -89,6 +104,8 @@ def main() -> int:
         got = cand.q4k_gemv(x, w)
         torch.cuda.synchronize()
         ok = bool(task.check(got, want))
+        if other is not None:  # the other kernel must pass too, or its times mean nothing
+            ok = ok and bool(task.check(other.q4k_gemv(x, w), want))
         diff = (got.double() - want.double()).abs()
         rms = want.double().pow(2).mean().sqrt().item()
         line = {
@@ -118,6 +135,11 @@ def main() -> int:
             ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
             ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
         ]
+        if other is not None:
+            timed += [
+                ("against_cuda", lambda x, w: other.q4k_gemv(x, w)),
+                ("against_cuda_pdl", lambda x, w: other.q4k_gemv(x, w, constant_weight=True)),
+            ]
         for name, variant in variants.items():
 
             def run(x, w, variant=variant, n=n):

@@ -5,8 +5,8 @@ weight at HBM speed. Two kernels:
 
 - Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores (`CUDA_SOURCE` below,
   built at first use with torch.utils.cpp_extension.load_inline; needs nvcc and ninja). On an
-  H200 it reads the 33 MB Llama-3-8B projections at 2.3-2.5 TB/s, against 1.3-1.4 TB/s for the
-  Triton kernel. Where it cannot be built, the Triton kernel runs instead.
+  H200 it reads the 33 MB Llama-3-8B projections at 2.5-2.6 TB/s (2.7-3.0 TB/s launched as
+  a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the Triton kernel. Where it cannot be built, the Triton kernel runs instead.
 - Everything else (batches 2-8, AMD GPUs, the CPU interpreter): the Triton kernel, which does
   this:
 
@@ -41,6 +41,7 @@ Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `pyth
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from typing import NamedTuple
@@ -320,19 +321,24 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights its loop is 236 warp instructions, against about 1,060 for the
-# Triton kernel (8.3 thread instructions per weight):
+# Per 16 rows x 256 weights its loop is 186 warp instructions (SASS), against about 1,060 for
+# the Triton kernel (8.3 thread instructions per weight):
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
 #   a block of each chunk and release the slot as soon as its codes are in registers.
-# - Codes become fp16 `1024 + q` (or `1024 + 16 q` for high nibbles) with one LOP3 per pair,
-#   and go straight to `mma.sync.m16n8k16` as the A operand: no per-weight FMA at all.
+# - Codes stay bytes: one AND per four codes (`w & 0x0F0F0F0F` gives q, `w & 0xF0F0F0F0` gives
+#   16 q) makes the A operand of an integer `mma.sync.m16n8k32`: no per-weight arithmetic.
+# - x becomes integers once per call: per 32-value sub-block, a power of two scales it to
+#   int16 (max |x| in [2^13, 2^14)), stored as a signed high byte and an unsigned low byte.
+#   Two MMAs per code word pair (against each byte) sum q * x exactly in int32; bf16
+#   activations keep all their bits down to 2^-7 of their sub-block's largest, smaller ones
+#   round at 2^-14 of it, and the scale is undone in fp32 with the block's scales.
 # - B's column n holds x of sub-block n only (zeros elsewhere), so one MMA chain per block
 #   gives every (row, sub-block) sum at once, and each lane holds exactly the sub-blocks whose
-#   scales it decodes. The `1024` comes back out in fp32 with each sub-block's sum of x.
-# - x is scaled per sub-block by a power of two into fp16's range, so bf16 activations of any
-#   size keep their 8 significant bits; the scale is undone exactly in fp32.
+#   scales it decodes.
+# - An earlier version fed fp16 `1024 + q` codes to `m16n8k16` (two codes per LOP3 plus a
+#   shift per word): 236 instructions per block and 6-13 % slower on the H200.
 CUDA_SOURCE = r"""
 // Q4_K GEMV, batch 1, on the tensor cores.
 #include <cuda_runtime.h>
@@ -397,30 +403,20 @@ __device__ __forceinline__ float half_to_float(u16 h) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
-__device__ __forceinline__ u32 pack_halves(float lo, float hi) {  // round each to fp16, lo in bits 0..15
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-// D = A (16x16, fp16) * B (16x8, fp16) + C, fp32 accumulate
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+// D = A (16x32, u8 codes) * B (32x8, s8 or u8 bytes of x) + C, int32 accumulate: exact.
+__device__ __forceinline__ void mma_signed(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// Codes as fp16 1024 + q (low nibbles) or 1024 + 16 q (high nibbles) of bytes 0 and 2 of w
-// (one LOP3 each: written as PTX, or the compiler splits the and and the or)
-__device__ __forceinline__ u32 low_codes(u32 w) {
-  u32 r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(0x64006400));
-  return r;
-}
-__device__ __forceinline__ u32 high_codes(u32 w) {
-  u32 r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x00F000F0), "n"(0x64006400));
-  return r;
+__device__ __forceinline__ void mma_unsigned(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float to_float(u32 word, int high, int x_is_bf16) {
@@ -444,10 +440,10 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
 // (cp.async.bulk, counted on the slot's `full` barrier); consumer warp w computes block w of
 // every chunk (blocks w, w + 8, ... of the rows, whose x it prepares once) and releases the
 // slot on its `empty` barrier, so no warp waits for the others except once per tile.
-// Per block, one m16n8k16 MMA per code word and nibble half: column n of B holds x of
-// sub-block n only, so D[r][n] is sub-block n's sum of (1024 + q) x for row r, and lane
-// (g, t) ends up holding rows g, g+8 for sub-blocks 2t, 2t+1: the scales it needs are its own
-// chunk's.
+// Per block, sixteen m16n8k32 MMAs (two code words per row and lane, each nibble half against
+// each byte of x): column n of B holds x of sub-block n only, so D[r][n] is sub-block n's sum
+// of q x for row r, and lane (g, t) ends up holding rows g, g+8 for sub-blocks 2t, 2t+1: the
+// scales it needs are its own chunk's.
 __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
 q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
             int n_rows, int n_blocks, int x_is_bf16) {
@@ -460,7 +456,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const int items = my_tiles * n_chunks;  // (tile, chunk) pairs through the CTA's ring
 
   unsigned char* xs = smem + STAGES * SLOT_BYTES;          // [n_blocks][8 sub-blocks][64 B]
-  F4* meta = reinterpret_cast<F4*>(xs + n_blocks * 512);   // [n_blocks][8]: 1024 X~, u, X
+  float2* meta = reinterpret_cast<float2*>(xs + n_blocks * 512);  // [n_blocks][8]: unscale, sum
   float* partial = reinterpret_cast<float*>(meta + n_blocks * 8);  // [2][WARPS][16]
   unsigned char* zero_line = reinterpret_cast<unsigned char*>(partial + 2 * WARPS * ROWS);  // 64 B
   const u32 ring = shared_addr(smem);
@@ -501,10 +497,14 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   // plain launch returns from the wait at once.
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
-  // x of this warp's blocks, while the weights are in flight: per sub-block, a power-of-two
-  // scale that puts max |x| in [2^12, 2^13) so fp16 holds it whatever its range, then fp16 in
-  // the order the MMAs take it (pairs k, k+2 and k+1, k+3 of every 4), and its sums. Lane l
-  // takes values 8 (l % 4) .. + 7 of sub-block l / 4; four blocks' loads are in flight at once.
+  // x of this warp's blocks, while the weights are in flight, as integers: per sub-block a
+  // power-of-two scale puts max |x| in [2^13, 2^14), each value is rounded to an int16 there
+  // (bf16 keeps all its bits down to 2^-7 of the sub-block's largest value; the rest round at
+  // 2^-14 of it), and the int16 is stored as a signed high byte and an unsigned low byte, so
+  // the MMAs run on bytes: x = unscale * (256 hi + lo). Sub-block layout (64 B): the 32 high
+  // bytes in order, then the 32 low bytes. The per-sub-block float sum of x serves the min
+  // term. Lane l takes values 8 (l % 4) .. + 7 of sub-block l / 4; four blocks' loads are in
+  // flight at once.
   const int my_blocks = n_blocks > warp ? (n_blocks - warp + WARPS - 1) / WARPS : 0;
   {
     const int s = lane >> 2, part = lane & 3;
@@ -529,31 +529,29 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 1));
         biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 2));
         const int e = (__float_as_uint(biggest) >> 23) & 0xFF;
-        float scale = 1.f, unscale = 1.f;
-        if (e != 0 && e != 255) {
-          const int field = min(max(266 - e, 27), 227);  // 2^(139 - e), kept normal both ways
-          scale = __uint_as_float((u32)field << 23);
-          unscale = __uint_as_float((u32)(254 - field) << 23);
-        }
+        // 2^(140 - e) as an exponent field, kept normal both ways; a sub-block below 2^-99
+        // rounds coarser, and inf or NaN zeroes the bytes (its sum, below, carries it)
+        const int field = min(max(267 - e, 14), 240);
+        const float scale = e == 255 ? 0.f : __uint_as_float((u32)field << 23);
+        const float unscale = __uint_as_float((u32)(254 - field) << 23);
+        u32 lo_words[2], hi_words[2];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] *= scale;
+        for (int half = 0; half < 2; ++half) {
+          int q[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)  // round to nearest int: 1.5 * 2^23 puts it in the low bits
+            q[i] = __float_as_int(fmaf(v[4 * half + i], scale, 12582912.f)) - 0x4B400000;
+          const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
+          lo_words[half] = __byte_perm(p01, p23, 0x5410);
+          hi_words[half] = __byte_perm(p01, p23, 0x7632);
+        }
         float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-        U4 packed;
-        packed.x = pack_halves(v[0], v[2]);
-        packed.y = pack_halves(v[1], v[3]);
-        packed.z = pack_halves(v[4], v[6]);
-        packed.w = pack_halves(v[5], v[7]);
-        *reinterpret_cast<U4*>(xs + (b * 8 + s) * 64 + part * 16) = packed;
-        if (part == 0) {
-          F4 m;
-          m.x = 1024.f * sum;
-          m.y = (s & 1) ? unscale * 0.0625f : unscale;  // high nibbles came in as 16 q
-          m.z = sum * unscale;
-          m.w = 0.f;
-          meta[b * 8 + s] = m;
-        }
+        unsigned char* sub = xs + (b * 8 + s) * 64 + part * 8;
+        *reinterpret_cast<uint2*>(sub) = make_uint2(hi_words[0], hi_words[1]);
+        *reinterpret_cast<uint2*>(sub + 32) = make_uint2(lo_words[0], lo_words[1]);
+        if (part == 0) meta[b * 8 + s] = make_float2((s & 1) ? unscale * 0.0625f : unscale, sum);
       }
     }
   }
@@ -586,25 +584,33 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         q[3] = lds128(row_g8 + 32 + 32 * t);
         __syncwarp();
         if (lane == 0) bar_arrive(empty + 8 * slot);  // the codes are in registers now
-        U4 xv[4];  // this lane's sub-block of x (or zeros): B fragments for 8 MMAs
+        U4 xv[4];  // this lane's sub-block of x, high then low bytes (or zeros): B fragments
         const u32 x_at = x_base + b * x_step;
 #pragma unroll
         for (int k = 0; k < 4; ++k) xv[k] = lds128(x_at + 16 * k);
-        const F4 m0 = meta[b * 8 + 2 * t];
-        const F4 m1 = meta[b * 8 + 2 * t + 1];
+        const float2 m0 = meta[b * 8 + 2 * t];
+        const float2 m1 = meta[b * 8 + 2 * t + 1];
 
-        // Four independent chains (even and odd words, low and high nibbles): the low-nibble
-        // MMAs report the even columns, the high ones the odd.
-        float lo[2][4] = {}, hi[2][4] = {};
+        // Per MMA, two code words of each row: low nibbles (q, masked in place) for the even
+        // sub-block, high nibbles (16 q) for the odd; against x's high bytes and low bytes:
+        // four chains, summed exactly in int32. The low-nibble chains report the even columns,
+        // the high ones the odd.
+        int lo_hi[4] = {}, lo_lo[4] = {}, hi_hi[4] = {}, hi_lo[4] = {};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const u32 wg = (&q[j >> 2].x)[j & 3], wg8 = (&q[2 + (j >> 2)].x)[j & 3];
-          const u32 sg = wg >> 8, sg8 = wg8 >> 8;
-          const u32 b0 = (&xv[j >> 1].x)[2 * (j & 1)], b1 = (&xv[j >> 1].x)[2 * (j & 1) + 1];
-          mma(lo[j & 1], low_codes(wg), low_codes(wg8), low_codes(sg), low_codes(sg8), b0, b1);
-          mma(hi[j & 1], high_codes(wg), high_codes(wg8), high_codes(sg), high_codes(sg8), b0, b1);
+        for (int m = 0; m < 4; ++m) {
+          const u32 wg0 = (&q[m >> 1].x)[2 * (m & 1)], wg1 = (&q[m >> 1].x)[2 * (m & 1) + 1];
+          const u32 wh0 = (&q[2 + (m >> 1)].x)[2 * (m & 1)], wh1 = (&q[2 + (m >> 1)].x)[2 * (m & 1) + 1];
+          const u32 xh0 = (&xv[m >> 1].x)[2 * (m & 1)], xh1 = (&xv[m >> 1].x)[2 * (m & 1) + 1];
+          const u32 xl0 = (&xv[2 + (m >> 1)].x)[2 * (m & 1)], xl1 = (&xv[2 + (m >> 1)].x)[2 * (m & 1) + 1];
+          const u32 l0 = wg0 & 0x0F0F0F0Fu, l1 = wh0 & 0x0F0F0F0Fu, l2 = wg1 & 0x0F0F0F0Fu, l3 = wh1 & 0x0F0F0F0Fu;
+          const u32 h0 = wg0 & 0xF0F0F0F0u, h1 = wh0 & 0xF0F0F0F0u, h2 = wg1 & 0xF0F0F0F0u, h3 = wh1 & 0xF0F0F0F0u;
+          mma_signed(lo_hi, l0, l1, l2, l3, xh0, xh1);
+          mma_unsigned(lo_lo, l0, l1, l2, l3, xl0, xl1);
+          mma_signed(hi_hi, h0, h1, h2, h3, xh0, xh1);
+          mma_unsigned(hi_lo, h0, h1, h2, h3, xl0, xl1);
         }
-        const float c[4] = {lo[0][0] + lo[1][0], hi[0][1] + hi[1][1], lo[0][2] + lo[1][2], hi[0][3] + hi[1][3]};
+        const float c[4] = {(float)(lo_hi[0] * 256 + lo_lo[0]), (float)(hi_hi[1] * 256 + hi_lo[1]),
+                            (float)(lo_hi[2] * 256 + lo_lo[2]), (float)(hi_hi[3] * 256 + hi_lo[3])};
 
         // d * sc and dmin * m for rows g, g+8 and sub-blocks 2t, 2t+1
         float dsc[4], dmm[4];
@@ -625,10 +631,10 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
           dmm[2 * r] = dmin * byte_to_float(mw, pick_even);
           dmm[2 * r + 1] = dmin * byte_to_float(mw, pick_odd);
         }
-        acc[0] += dsc[0] * m0.y * (c[0] - m0.x) - dmm[0] * m0.z;
-        acc[1] += dsc[1] * m1.y * (c[1] - m1.x) - dmm[1] * m1.z;
-        acc[2] += dsc[2] * m0.y * (c[2] - m0.x) - dmm[2] * m0.z;
-        acc[3] += dsc[3] * m1.y * (c[3] - m1.x) - dmm[3] * m1.z;
+        acc[0] += dsc[0] * m0.x * c[0] - dmm[0] * m0.y;
+        acc[1] += dsc[1] * m1.x * c[1] - dmm[1] * m1.y;
+        acc[2] += dsc[2] * m0.x * c[2] - dmm[2] * m0.y;
+        acc[3] += dsc[3] * m1.x * c[3] - dmm[3] * m1.y;
       } else {
         __syncwarp();
         if (lane == 0) bar_arrive(empty + 8 * slot);
@@ -721,12 +727,12 @@ CUDA_WARPS, CUDA_ROWS, CUDA_STAGES, CUDA_MIN_CTAS = 8, 16, 3, 2
 
 def cuda_shared_bytes(n_blocks: int, stages: int = CUDA_STAGES) -> int:
     """Dynamic shared memory of one CTA: the ring of chunks (16 rows x 1152 bytes, rows padded
-    by 16), x in fp16 and its per-sub-block sums, two sets of cross-warp partial sums, a line
+    by 16), x as bytes and its per-sub-block scales and sums, two sets of cross-warp partial sums, a line
     of zeros and the ring's full and empty barriers."""
     return (
         stages * CUDA_ROWS * (8 * BLOCK_BYTES + 16)
         + n_blocks * 512
-        + n_blocks * 128
+        + n_blocks * 64
         + 2 * CUDA_WARPS * CUDA_ROWS * 4
         + 64
         + 2 * stages * 8
@@ -757,7 +763,11 @@ class CudaGemvB1:
         flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}"]
         with torch.cuda.device(device):
             self.module = load_inline(
-                name="loom_q4k_gemv_b1_" + "_".join(flag.replace("=", "") for flag in flags).lower(),
+                # the source's hash in the name: two sources never share (and overwrite) a build
+                name="loom_q4k_gemv_b1_"
+                + hashlib.sha1(CUDA_SOURCE.encode()).hexdigest()[:10]
+                + "_"
+                + "_".join(flag.replace("=", "") for flag in flags).lower(),
                 cpp_sources=CUDA_BINDING,
                 cuda_sources=CUDA_SOURCE,
                 functions=["allow", "resident", "launch"],

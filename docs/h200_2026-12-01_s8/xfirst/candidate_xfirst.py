@@ -1,0 +1,975 @@
+"""Fused Q4_K GEMV: y = x @ W.T with W dequantized in registers, never in memory.
+
+Decode reads every weight once per token, so the kernel is a race to stream 0.5625 bytes per
+weight at HBM speed. Two kernels:
+
+- Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores (`CUDA_SOURCE` below,
+  built at first use with torch.utils.cpp_extension.load_inline; needs nvcc and ninja). On an
+  H200 it reads the 33 MB Llama-3-8B projections at 2.3-2.5 TB/s, against 1.3-1.4 TB/s for the
+  Triton kernel. Where it cannot be built, the Triton kernel runs instead.
+- Everything else (batches 2-8, AMD GPUs, the CPU interpreter): the Triton kernel, which does
+  this:
+
+- The weight bytes are read as int32 words (a Q4_K block is 36 words: d|dmin, 3 words of
+  packed 6-bit scales and mins, 32 words of codes), so the 128 code bytes of a block come in as
+  16-byte vector loads. Loads are never masked: out-of-range rows and blocks are clamped to a
+  valid address and their scale is zeroed, which keeps the loads vectorised.
+- Each program owns BLOCK_N rows and takes BLOCK_KB blocks of each row per step, so a small
+  grid of programs still has tens of kilobytes in flight per SM.
+- The per-weight work is four instructions: a shift, a mask-or that lands the 4-bit code in the
+  mantissa of 2^23 (`(q | 0x4B000000)` read as fp32 is 2^23 + q), a subtraction, and one FMA
+  with x. No int-to-float conversion, whose throughput on NVIDIA parts is an eighth of FMA's.
+- llama.cpp's factorisation: per 32-weight sub-block, y += d*sc * sum(q*x) - dmin*m * sum(x),
+  so the scales are applied once per sub-block, not per weight.
+- x (bf16 or fp16) is read as int64 quads and widened by bit operations (bf16) or a cast (fp16).
+- Decode batches up to 8 rows of x share each weight load.
+
+A second kernel, `q4k_gemv_mma_kernel` (`GemvConfig(method="mma")`), hands the dequantized
+fp32 weights to the tensor cores in TF32 instead: per weight only the shift, the mask-or and one
+FMA stay on the CUDA cores. It is correct under the interpreter and lowers to Hopper wgmma
+without spills; `pick_config` keeps the CUDA-core kernel, the faster one measured so far, until
+`tools/sweep_q4k.py` has timed this one on a GPU.
+
+Where it runs: on a GPU tensor, the CUDA kernel at batch 1 on sm_90 (LOOM_Q4K_CUDA=0 turns it
+off; =1 also tries it on newer GPUs, where it has not been checked) and the Triton kernel
+otherwise. On a CPU tensor the Triton kernel runs only under the
+interpreter (`TRITON_INTERPRET=1`, set before this file is imported);
+without it, `forward` dequantizes with torch and multiplies in fp32, so the model works anywhere.
+
+Self-check: `TRITON_INTERPRET=1 python candidate.py` (kernel), or on a GPU `python candidate.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+QK_K = 256  # weights per Q4_K block
+BLOCK_BYTES = 144  # d (2) + dmin (2) + scales (12) + codes (128)
+BLOCK_WORDS = BLOCK_BYTES // 4
+MAX_BATCH_PER_PROGRAM = 8  # decode batches; larger batches take more programs along grid axis 1
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # output rows per program
+    block_kb: int  # Q4_K blocks of each row per loop step
+    num_warps: int
+    x_per_row: bool = False  # load x per weight row (no layout shuffle) or once per tile
+    method: str = "fma"  # "fma": CUDA-core dot products; "mma": TF32 tensor cores (see below)
+
+
+def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
+    """Small tiles, one warp, x loaded per weight row: the fastest of 40 configurations for
+    every Llama-3-8B shape at batch 1 in `tools/sweep_q4k.py` on an H200 (2026-11-30). K of
+    56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16. Below 4096 rows, one row
+    per program: two would leave the H200's 132 SMs with under 4 one-warp programs each
+    (1024 x 4096, batch 1: 4.42 us against 6.40 us at two rows; at 4096 rows two stay faster,
+    8.47 us against 8.93 us; H200, fifth session)."""
+    block_kb = 16 if n_blocks % 16 == 0 else 8
+    block_kb = min(block_kb, triton.next_power_of_2(n_blocks))
+    block_n = 2 if n_rows >= 4096 else 1
+    return GemvConfig(block_n=block_n, block_kb=block_kb, num_warps=1, x_per_row=True)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Round fp32 to `dtype` to nearest even, as PyTorch's casts do.
+
+    GPUs round fp32 -> bf16 to nearest even, but Triton's CPU interpreter truncates; rounding
+    by hand on the bit pattern gives the same bits on every device.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def widen(pair, high: tl.constexpr, X_IS_BF16: tl.constexpr):
+    """One 16-bit half of an int32 pair of x values, as fp32."""
+    if X_IS_BF16:
+        if high:
+            bits = pair & -65536  # 0xFFFF0000: the high bf16 is already in place
+        else:
+            bits = pair << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        if high:
+            half = (pair >> 16) & 0xFFFF
+        else:
+            half = pair & 0xFFFF
+        return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def load_block_tile(w_ptr, row_words, blocks, n_blocks):
+    """For blocks `blocks` of the rows starting at `row_words`: the clamped block indices, the
+    word offset of each [row, block], d and dmin (fp32) and the three packed scale words.
+
+    Blocks past the end are clamped to the last one, so every load stays unmasked (and
+    vectorised), and get d = dmin = 0, so they contribute exactly nothing."""
+    block_ok = blocks < n_blocks
+    blocks_safe = tl.minimum(blocks, n_blocks - 1)
+    block_words = row_words[:, None] + blocks_safe[None, :] * 36  # [N, KB]; 36 words per block
+    head = tl.load(w_ptr + block_words).to(tl.uint32, bitcast=True)
+    s1 = tl.load(w_ptr + block_words + 1).to(tl.uint32, bitcast=True)
+    s2 = tl.load(w_ptr + block_words + 2).to(tl.uint32, bitcast=True)
+    s3 = tl.load(w_ptr + block_words + 3).to(tl.uint32, bitcast=True)
+    d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (head >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d = tl.where(block_ok[None, :], d, 0.0)
+    dmin = tl.where(block_ok[None, :], dmin, 0.0)
+    return blocks_safe, block_words, d, dmin, s1, s2, s3
+
+
+@triton.jit
+def scale_and_min(s1, s2, s3, j: tl.constexpr):
+    """The 6-bit scale and min of sub-block j from the three packed words s1, s2, s3.
+
+    Bytes s[0..11]: j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: the low four bits are in
+    s[j+4] (scale low nibble, min high nibble), the top two in s[j-4] (scale) and s[j] (min).
+    """
+    if j < 4:
+        sc = (s1 >> (8 * j)) & 63
+        m = (s2 >> (8 * j)) & 63
+    else:
+        sc = ((s3 >> (8 * (j - 4))) & 0x0F) | (((s1 >> (8 * (j - 4) + 6)) & 3) << 4)
+        m = ((s3 >> (8 * (j - 4) + 4)) & 0x0F) | (((s2 >> (8 * (j - 4) + 6)) & 3) << 4)
+    return sc.to(tl.float32), m.to(tl.float32)
+
+
+@triton.jit
+def q4k_gemv_kernel(
+    x_ptr,  # x as int64 quads: [batch, K / 4]
+    w_ptr,  # W as int32 words: [N, n_blocks * 36]
+    out_ptr,
+    batch,
+    n_rows,
+    n_blocks,
+    w_row_words,
+    x_row_quads,
+    out_row_stride,
+    X_IS_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    X_PER_ROW: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_safe = tl.minimum(rows, n_rows - 1)  # clamp instead of masking: loads stay vectorised
+    row_words = tl.multiple_of(rows_safe.to(tl.int64) * w_row_words, 4)
+    first_batch = tl.program_id(1) * BLOCK_B
+    kbs = tl.arange(0, BLOCK_KB)
+    words8 = tl.arange(0, 8)
+    batch_ids = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_KB], dtype=tl.float32)
+
+    for kb0 in range(0, n_blocks, BLOCK_KB):
+        blocks_safe, block_words, d, dmin, s1, s2, s3 = load_block_tile(
+            w_ptr, row_words, kb0 + kbs, n_blocks
+        )
+
+        for c in tl.static_range(4):  # 32-byte chunk c holds sub-blocks 2c (low) and 2c+1 (high)
+            code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
+            codes = tl.load(w_ptr + code_words[:, :, None] + words8[None, None, :])
+            codes = codes.to(tl.uint32, bitcast=True)  # [N, KB, 8]
+            for n in tl.static_range(2):
+                j = 2 * c + n
+                sc, m = scale_and_min(s1, s2, s3, j)
+                # Sub-block j's 32 x values as 8 int64 quads: word w's byte b is lane 4w + b.
+                x_quads = blocks_safe[:, None] * 64 + j * 8 + words8[None, :]  # [KB, 8]
+                for b_i in tl.static_range(BLOCK_B):
+                    b_row = tl.minimum(first_batch + b_i, batch - 1)
+                    x_row = x_ptr + b_row.to(tl.int64) * x_row_quads
+                    if X_PER_ROW:  # x loaded in the weight tile's own shape: no layout shuffle
+                        quad = tl.load(x_row + tl.broadcast_to(x_quads[None, :, :], (BLOCK_N, BLOCK_KB, 8)))
+                    else:
+                        quad = tl.load(x_row + x_quads)
+                    lo = quad.to(tl.int32)  # lanes 4w, 4w+1
+                    hi = (quad >> 32).to(tl.int32)  # lanes 4w+2, 4w+3
+                    qx = tl.zeros([BLOCK_N, BLOCK_KB, 8], dtype=tl.float32)
+                    if X_PER_ROW:
+                        x_sum = tl.zeros([BLOCK_N, BLOCK_KB, 8], dtype=tl.float32)
+                    else:
+                        x_sum = tl.zeros([BLOCK_KB, 8], dtype=tl.float32)
+                    for byte in tl.static_range(4):
+                        xv = widen(lo if byte < 2 else hi, byte % 2 == 1, X_IS_BF16)
+                        # The code lands in mantissa bits 19..22 of 1.0: the float is 1 + q/16,
+                        # exact, so sum((1 + q/16) x) - sum(x) = sum(q x) / 16 without any
+                        # int-to-float conversion.
+                        at = 8 * byte + 4 * n  # the code's bit position in the word
+                        if at <= 19:
+                            moved = codes << (19 - at)
+                        else:
+                            moved = codes >> (at - 19)
+                        q = ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                        if X_PER_ROW:
+                            qx += q * xv
+                        else:
+                            qx += q * xv[None, :, :]
+                        x_sum += xv
+                    if X_PER_ROW:
+                        sum_x = tl.sum(x_sum, axis=2)  # [N, KB], equal rows
+                    else:
+                        sum_x = tl.sum(x_sum, axis=1)[None, :]  # [1, KB]
+                    sum_qx = (tl.sum(qx, axis=2) - sum_x) * 16.0  # [N, KB]
+                    contribution = d * sc * sum_qx - dmin * m * sum_x
+                    if BLOCK_B == 1:
+                        acc += contribution[None, :, :]
+                    else:
+                        acc = tl.where(batch_ids[:, None, None] == b_i, acc + contribution[None, :, :], acc)
+
+    result = tl.sum(acc, axis=2)  # [B, N]
+    out_rows = first_batch + batch_ids
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * out_row_stride + rows[None, :]
+    out_ok = (out_rows < batch)[:, None] & (rows < n_rows)[None, :]
+    tl.store(out_ptrs, round_to(result, out_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def dequantize_byte(codes, slope, intercept, at: tl.constexpr):
+    """Weights of the codes at bit `at` of each word: (16 d sc) q' - (16 d sc + dmin m), with
+    q' = 1 + q/16 built by moving the code into mantissa bits 19..22 of 1.0 (one shift, its
+    direction fixed at compile time) and one mask-or."""
+    if at <= 19:
+        moved = codes << (19 - at)
+    else:
+        moved = codes >> (at - 19)
+    q = ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return slope[:, :, None] * q + intercept[:, :, None]
+
+
+@triton.jit
+def q4k_gemv_mma_kernel(
+    x_ptr,  # [batch, K], bf16 or fp16
+    w_ptr,  # W as int32 words: [N, n_blocks * 36]
+    out_ptr,
+    batch,
+    n_rows,
+    n_blocks,
+    w_row_words,
+    x_row_stride,
+    out_row_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """The tensor-core variant: each sub-block's weights are dequantized to fp32 in registers
+    and handed to tl.dot in TF32 against x padded to BLOCK_B columns. Per weight that is a
+    shift, a mask-or and one FMA; x never touches the CUDA cores per weight, and the padding
+    costs tensor-core time the H200 has to spare (batch 1 at 3 TB/s needs ~170 TFLOP/s of
+    TF32 with 16 columns). TF32 rounds weights and x to 10 mantissa bits: about 1e-3 of an
+    output row's RMS, inside the task's scale-aware `check`."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_safe = tl.minimum(rows, n_rows - 1)
+    row_words = tl.multiple_of(rows_safe.to(tl.int64) * w_row_words, 4)
+    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < batch
+    cols_safe = tl.minimum(cols, batch - 1)
+    kbs = tl.arange(0, BLOCK_KB)
+    words8 = tl.arange(0, 8)
+    k_lane = tl.arange(0, BLOCK_KB * 32)  # the dot's K index: (block, lane) of one sub-block
+    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+
+    for kb0 in range(0, n_blocks, BLOCK_KB):
+        blocks_safe, block_words, d, dmin, s1, s2, s3 = load_block_tile(
+            w_ptr, row_words, kb0 + kbs, n_blocks
+        )
+        x_blocks = tl.minimum(kb0 + k_lane // 32, n_blocks - 1)
+        for c in tl.static_range(4):
+            code_words = tl.multiple_of(block_words + 4 + 8 * c, [4, 4])
+            codes = tl.load(w_ptr + code_words[:, :, None] + words8[None, None, :])
+            codes = codes.to(tl.uint32, bitcast=True)  # [N, KB, 8]
+            for n in tl.static_range(2):
+                j = 2 * c + n
+                sc, m = scale_and_min(s1, s2, s3, j)
+                # q' = 1 + q/16 (the code in mantissa bits 19..22 of 1.0), so
+                # w = d sc q - dmin m = (16 d sc) q' - (16 d sc + dmin m): one FMA per weight.
+                slope = 16.0 * d * sc
+                intercept = -(slope + dmin * m)
+                # Byte b of word w is lane 4w + b. Each byte gets its own tile so every shift is
+                # a compile-time constant (left or right, one per weight); join then interleaves
+                # the four tiles back into lane order without moving data between threads.
+                w0 = dequantize_byte(codes, slope, intercept, 4 * n)
+                w1 = dequantize_byte(codes, slope, intercept, 8 + 4 * n)
+                w2 = dequantize_byte(codes, slope, intercept, 16 + 4 * n)
+                w3 = dequantize_byte(codes, slope, intercept, 24 + 4 * n)
+                w = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [N, KB, 8, 2, 2]: lane order
+                w = tl.reshape(w, (BLOCK_N, BLOCK_KB * 32))
+                x_offsets = x_blocks * 256 + j * 32 + k_lane % 32  # [KB * 32]
+                x_ptrs = x_ptr + cols_safe.to(tl.int64)[None, :] * x_row_stride + x_offsets[:, None]
+                xt = tl.load(x_ptrs, mask=col_ok[None, :], other=0.0).to(tl.float32)  # [K, B]
+                acc = tl.dot(w, xt, acc, input_precision="tf32")
+
+    out_ptrs = out_ptr + cols.to(tl.int64)[None, :] * out_row_stride + rows[:, None]
+    out_ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_ok)
+
+
+
+# --- The CUDA path: batch 1 on NVIDIA tensor cores --------------------------------------------
+#
+# Measured on the H200, the Triton kernel above is bound by instruction issue and L1 (about 8
+# instructions per weight), and Triton would not give the layout that fixes it. This kernel is
+# plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
+# cached per source) and launched on PyTorch's current stream, so graph capture records it.
+# Per 16 rows x 256 weights its loop is 236 warp instructions, against about 1,060 for the
+# Triton kernel (8.3 thread instructions per weight):
+#
+# - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
+#   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
+#   a block of each chunk and release the slot as soon as its codes are in registers.
+# - Codes become fp16 `1024 + q` (or `1024 + 16 q` for high nibbles) with one LOP3 per pair,
+#   and go straight to `mma.sync.m16n8k16` as the A operand: no per-weight FMA at all.
+# - B's column n holds x of sub-block n only (zeros elsewhere), so one MMA chain per block
+#   gives every (row, sub-block) sum at once, and each lane holds exactly the sub-blocks whose
+#   scales it decodes. The `1024` comes back out in fp32 with each sub-block's sum of x.
+# - x is scaled per sub-block by a power of two into fp16's range, so bf16 activations of any
+#   size keep their 8 significant bits; the scale is undone exactly in fp32.
+CUDA_SOURCE = r"""
+// Q4_K GEMV, batch 1, on the tensor cores.
+#include <cuda_runtime.h>
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define WARPS 8
+#define ROWS 16
+#define BLOCK_BYTES 144
+#define CHUNK_BLOCKS 8                           // Q4_K blocks per row in one chunk (one per warp)
+#define SEGMENT_BYTES (CHUNK_BLOCKS * BLOCK_BYTES)  // 1152 B of a row: nine whole 128-B lines
+#define ROW_STRIDE (SEGMENT_BYTES + 16)              // in shared memory: 4 banks apart per row
+#define SLOT_BYTES (ROWS * ROW_STRIDE)
+#ifndef MIN_CTAS
+#define MIN_CTAS 2
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+
+struct alignas(16) U4 { u32 x, y, z, w; };
+struct alignas(16) F4 { float x, y, z, w; };
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void bar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {  // arrive, and expect bytes
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {  // until that phase completes
+  asm volatile(
+      "{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; "
+      "@!done bra WAIT_%=; }" ::"r"(bar), "r"(parity) : "memory");
+}
+// The bulk-copy engine moves `bytes` from global to shared memory and counts them on `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ U4 lds128(u32 addr) {
+  U4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+// Byte `selector & 3` of `word` as a float, exactly: PRMT builds 0x4B0000bb (2^23 + bb), and
+// one add takes 2^23 away. Two full-rate instructions where a shift, a mask and an I2F were;
+// `selector` is 0x7540 | byte (the other three result bytes: 0x00, 0x00, 0x4B).
+__device__ __forceinline__ float byte_to_float(u32 word, u32 selector) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, selector)) - 8388608.f;
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u32 pack_halves(float lo, float hi) {  // round each to fp16, lo in bits 0..15
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// D = A (16x16, fp16) * B (16x8, fp16) + C, fp32 accumulate
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Codes as fp16 1024 + q (low nibbles) or 1024 + 16 q (high nibbles) of bytes 0 and 2 of w
+// (one LOP3 each: written as PTX, or the compiler splits the and and the or)
+__device__ __forceinline__ u32 low_codes(u32 w) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(0x64006400));
+  return r;
+}
+__device__ __forceinline__ u32 high_codes(u32 w) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x00F000F0), "n"(0x64006400));
+  return r;
+}
+
+__device__ __forceinline__ float to_float(u32 word, int high, int x_is_bf16) {
+  if (x_is_bf16) return __uint_as_float(high ? (word & 0xFFFF0000u) : (word << 16));
+  return half_to_float((u16)(high ? (word >> 16) : (word & 0xFFFFu)));
+}
+__device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
+  if (x_is_bf16) {
+    u32 bits = __float_as_uint(v);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((bits >> 16) | 0x40u);  // NaN stays NaN
+    return (u16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+
+// x of block b, in place in shared memory (the producer copied it there raw): per sub-block, a
+// power-of-two scale that puts max |x| in [2^12, 2^13) so fp16 holds it whatever its range,
+// then fp16 in the order the MMAs take it (pairs k, k+2 and k+1, k+3 of every 4), and its sums.
+// Lane l takes values 8 (l % 4) .. + 7 of sub-block l / 4: it reads 16 bytes and writes its 16
+// packed bytes back over them, so no lane reads what another writes.
+__device__ __forceinline__ void prepare_x_block(unsigned char* xs, F4* meta, int b, int lane, int x_is_bf16) {
+  const int s = lane >> 2, part = lane & 3;
+  U4* at = reinterpret_cast<U4*>(xs + (b * 8 + s) * 64 + part * 16);
+  const U4 raw = *at;
+  const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float v[8], biggest = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = to_float(words[i >> 1], i & 1, x_is_bf16);
+    biggest = fmaxf(biggest, fabsf(v[i]));
+  }
+  biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 1));
+  biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 2));
+  const int e = (__float_as_uint(biggest) >> 23) & 0xFF;
+  float scale = 1.f, unscale = 1.f;
+  if (e != 0 && e != 255) {
+    const int field = min(max(266 - e, 27), 227);  // 2^(139 - e), kept normal both ways
+    scale = __uint_as_float((u32)field << 23);
+    unscale = __uint_as_float((u32)(254 - field) << 23);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= scale;
+  float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+  U4 packed;
+  packed.x = pack_halves(v[0], v[2]);
+  packed.y = pack_halves(v[1], v[3]);
+  packed.z = pack_halves(v[4], v[6]);
+  packed.w = pack_halves(v[5], v[7]);
+  *at = packed;
+  if (part == 0) {
+    F4 m;
+    m.x = 1024.f * sum;
+    m.y = (s & 1) ? unscale * 0.0625f : unscale;  // high nibbles came in as 16 q
+    m.z = sum * unscale;
+    m.w = 0.f;
+    meta[b * 8 + s] = m;
+  }
+}
+
+// Persistent CTAs of 8 consumer warps and one producer warp. CTA c takes the 16-row tiles
+// c, c + gridDim.x, ...; a tile streams through a ring of STAGES chunks of 16 rows x 8 blocks.
+// The producer moves each chunk as 16 bulk copies of one row's 1152 contiguous bytes
+// (cp.async.bulk, counted on the slot's `full` barrier); consumer warp w computes block w of
+// every chunk (blocks w, w + 8, ... of the rows, whose x it prepares on first use) and releases the
+// slot on its `empty` barrier, so no warp waits for the others except once per tile.
+// Per block, one m16n8k16 MMA per code word and nibble half: column n of B holds x of
+// sub-block n only, so D[r][n] is sub-block n's sum of (1024 + q) x for row r, and lane
+// (g, t) ends up holding rows g, g+8 for sub-blocks 2t, 2t+1: the scales it needs are its own
+// chunk's.
+__global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
+q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
+            int n_rows, int n_blocks, int x_is_bf16, int dependent) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_chunks = (n_blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+  const int n_tiles = (n_rows + ROWS - 1) / ROWS;
+  const int my_tiles = (n_tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+  const int items = my_tiles * n_chunks;  // (tile, chunk) pairs through the CTA's ring
+
+  unsigned char* xs = smem + STAGES * SLOT_BYTES;          // [n_blocks][8 sub-blocks][64 B]
+  F4* meta = reinterpret_cast<F4*>(xs + n_blocks * 512);   // [n_blocks][8]: 1024 X~, u, X
+  float* partial = reinterpret_cast<float*>(meta + n_blocks * 8);  // [2][WARPS][16]
+  unsigned char* zero_line = reinterpret_cast<unsigned char*>(partial + 2 * WARPS * ROWS);  // 64 B
+  const u32 ring = shared_addr(smem);
+  const u32 full = shared_addr(zero_line + 64), empty = full + 8 * STAGES;  // [STAGES] each
+  const u32 x_full = empty + 8 * STAGES;
+
+  // Let the next kernel start (if launched as a programmatic dependent, it waits for this
+  // one's results itself): under PDL its set-up overlaps this kernel.
+  asm volatile("griddepcontrol.launch_dependents;");
+  if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
+  if (tid < STAGES) {
+    bar_init(full + 8 * tid, 1);
+    bar_init(empty + 8 * tid, WARPS);
+  }
+  if (tid == 0) bar_init(x_full, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer
+    const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
+    // x first: every consumer needs it before its first block, and a copy issued behind the
+    // weights would queue behind megabytes of them (plain loads of x by the consumers did:
+    // they came back after the ring had filled and stalled). Launched as a programmatic
+    // dependent, x is not ready yet, so the ring's first slots go out first, then the wait.
+    const int early = dependent ? min(STAGES, items) : 0;
+    for (int i = 0; i < items; ++i) {
+      if (i == early) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        if (lane == 0) {
+          bar_expect(x_full, n_blocks * 512);
+          bulk_copy(shared_addr(xs), x, n_blocks * 512, x_full);
+        }
+      }
+      const int slot = i % STAGES, chunk = i % n_chunks;
+      const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
+      if (i >= STAGES) bar_wait(empty + 8 * slot, ((i / STAGES) - 1) & 1);
+      const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
+      if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
+      __syncwarp();
+      if (lane < ROWS) {
+        const int row = min(tile * ROWS + lane, n_rows - 1);
+        bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
+                  bytes, full + 8 * slot);
+      }
+    }
+    if (early == items) {  // every item fitted in the ring before the wait
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      if (lane == 0) {
+        bar_expect(x_full, n_blocks * 512);
+        bulk_copy(shared_addr(xs), x, n_blocks * 512, x_full);
+      }
+    }
+    return;
+  }
+
+  // Launched as a programmatic dependent, the grid may start while the kernel before it
+  // still runs; y is written only after that kernel is done (a plain launch passes at once).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  bar_wait(x_full, 0);  // x, raw, in shared memory: each block is prepared on first use below
+
+  // Lane (g, t) with g>>1 == t holds sub-block g of each block (low nibbles when g is even,
+  // high when odd); every other lane holds zeros. The feeding lane gives the same registers
+  // to both chains: in the other chain they land in column g, which that chain never reports.
+  const bool feeds = (g >> 1) == t;
+  const u32 x_base = feeds ? shared_addr(xs) + g * 64 : shared_addr(zero_line);
+  const u32 x_step = feeds ? 512u : 0u;
+  const int bsel = (2 * t) & 3;  // byte of the packed 6-bit scale word for sub-block 2t
+  const u32 pick_even = 0x7540u | bsel, pick_odd = 0x7540u | (bsel + 1);  // see byte_to_float
+
+  int i = 0;
+  for (int tile_iter = 0; tile_iter < my_tiles; ++tile_iter) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int chunk = 0; chunk < n_chunks; ++chunk, ++i) {
+      const int slot = i % STAGES;
+      const int b = chunk * CHUNK_BLOCKS + warp;
+      if (tile_iter == 0 && b < n_blocks) {  // first use of block b's x: while the chunk lands
+        prepare_x_block(xs, meta, b, lane, x_is_bf16);
+        __syncwarp();
+      }
+      bar_wait(full + 8 * slot, (i / STAGES) & 1);
+      if (b < n_blocks) {
+        const u32 block = ring + slot * SLOT_BYTES + warp * BLOCK_BYTES;
+        const u32 row_g = block + g * ROW_STRIDE, row_g8 = block + (g + 8) * ROW_STRIDE;
+        const U4 head_g = lds128(row_g), head_g8 = lds128(row_g8);
+        U4 q[4];
+        q[0] = lds128(row_g + 16 + 32 * t);
+        q[1] = lds128(row_g + 32 + 32 * t);
+        q[2] = lds128(row_g8 + 16 + 32 * t);
+        q[3] = lds128(row_g8 + 32 + 32 * t);
+        __syncwarp();
+        if (lane == 0) bar_arrive(empty + 8 * slot);  // the codes are in registers now
+        U4 xv[4];  // this lane's sub-block of x (or zeros): B fragments for 8 MMAs
+        const u32 x_at = x_base + b * x_step;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) xv[k] = lds128(x_at + 16 * k);
+        const F4 m0 = meta[b * 8 + 2 * t];
+        const F4 m1 = meta[b * 8 + 2 * t + 1];
+
+        // Four independent chains (even and odd words, low and high nibbles): the low-nibble
+        // MMAs report the even columns, the high ones the odd.
+        float lo[2][4] = {}, hi[2][4] = {};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const u32 wg = (&q[j >> 2].x)[j & 3], wg8 = (&q[2 + (j >> 2)].x)[j & 3];
+          const u32 sg = wg >> 8, sg8 = wg8 >> 8;
+          const u32 b0 = (&xv[j >> 1].x)[2 * (j & 1)], b1 = (&xv[j >> 1].x)[2 * (j & 1) + 1];
+          mma(lo[j & 1], low_codes(wg), low_codes(wg8), low_codes(sg), low_codes(sg8), b0, b1);
+          mma(hi[j & 1], high_codes(wg), high_codes(wg8), high_codes(sg), high_codes(sg8), b0, b1);
+        }
+        const float c[4] = {lo[0][0] + lo[1][0], hi[0][1] + hi[1][1], lo[0][2] + lo[1][2], hi[0][3] + hi[1][3]};
+
+        // d * sc and dmin * m for rows g, g+8 and sub-blocks 2t, 2t+1
+        float dsc[4], dmm[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const U4 h = r ? head_g8 : head_g;
+          const float d = half_to_float((u16)(h.x & 0xFFFFu)), dmin = half_to_float((u16)(h.x >> 16));
+          u32 scw, mw;
+          if (t < 2) {
+            scw = h.y & 0x3F3F3F3Fu;
+            mw = h.z & 0x3F3F3F3Fu;
+          } else {
+            scw = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+            mw = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+          }
+          dsc[2 * r] = d * byte_to_float(scw, pick_even);
+          dsc[2 * r + 1] = d * byte_to_float(scw, pick_odd);
+          dmm[2 * r] = dmin * byte_to_float(mw, pick_even);
+          dmm[2 * r + 1] = dmin * byte_to_float(mw, pick_odd);
+        }
+        acc[0] += dsc[0] * m0.y * (c[0] - m0.x) - dmm[0] * m0.z;
+        acc[1] += dsc[1] * m1.y * (c[1] - m1.x) - dmm[1] * m1.z;
+        acc[2] += dsc[2] * m0.y * (c[2] - m0.x) - dmm[2] * m0.z;
+        acc[3] += dsc[3] * m1.y * (c[3] - m1.x) - dmm[3] * m1.z;
+      } else {
+        __syncwarp();
+        if (lane == 0) bar_arrive(empty + 8 * slot);
+      }
+    }
+
+    // This tile's rows: lanes t = 0..3 hold a row's sub-blocks 2t, 2t+1; warps hold blocks.
+    float top = acc[0] + acc[1], bottom = acc[2] + acc[3];
+    top += __shfl_xor_sync(0xFFFFFFFFu, top, 1);
+    top += __shfl_xor_sync(0xFFFFFFFFu, top, 2);
+    bottom += __shfl_xor_sync(0xFFFFFFFFu, bottom, 1);
+    bottom += __shfl_xor_sync(0xFFFFFFFFu, bottom, 2);
+    float* sums = partial + (tile_iter & 1) * (WARPS * ROWS);
+    if (t == 0) {
+      sums[warp * ROWS + g] = top;
+      sums[warp * ROWS + g + 8] = bottom;
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");  // the consumers only
+    const int row = ((int)blockIdx.x + tile_iter * (int)gridDim.x) * ROWS + tid;
+    if (tid < ROWS && row < n_rows) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) total += sums[w * ROWS + tid];
+      y[row] = from_float(total, x_is_bf16);
+    }
+  }
+}
+
+// Host side, called from the C++ binding below with PyTorch's current stream.
+// The kernel may use up to `max_bytes` of dynamic shared memory (set once: lowering it later
+// would make launches that need more fail).
+bool q4k_gemv_b1_allow(int max_bytes) {
+  const bool ok = cudaFuncSetAttribute(q4k_gemv_b1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       max_bytes) == cudaSuccess;
+  if (!ok) cudaGetLastError();
+  return ok;
+}
+
+int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memory; 0: too big
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, q4k_gemv_b1_kernel, (WARPS + 1) * 32, shared_bytes);
+  return per_sm;
+}
+
+// `dependent`: launch with programmatic stream serialization, so the grid may start before
+// the previous kernel in the stream ends (it waits for it before touching x and y).
+bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3((WARPS + 1) * 32);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, q4k_gemv_b1_kernel, static_cast<const unsigned char*>(W),
+                            static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
+                            x_is_bf16, dependent) == cudaSuccess;
+}
+"""
+
+CUDA_BINDING = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+bool q4k_gemv_b1_allow(int max_bytes);
+int q4k_gemv_b1_resident(int shared_bytes);
+bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream);
+
+bool allow(int64_t max_bytes) { return q4k_gemv_b1_allow((int)max_bytes); }
+int64_t resident(int64_t shared_bytes) { return q4k_gemv_b1_resident((int)shared_bytes); }
+
+void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t grid, int64_t shared_bytes,
+            bool dependent) {
+  const bool ok = q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
+                                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)grid,
+                                     (int)shared_bytes, dependent,
+                                     c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  TORCH_CHECK(ok, "q4k_gemv_b1 launch failed: ", cudaGetErrorString(cudaGetLastError()));
+}
+"""
+
+CUDA_WARPS, CUDA_ROWS, CUDA_STAGES, CUDA_MIN_CTAS = 8, 16, 3, 2
+
+
+def cuda_shared_bytes(n_blocks: int, stages: int = CUDA_STAGES) -> int:
+    """Dynamic shared memory of one CTA: the ring of chunks (16 rows x 1152 bytes, rows padded
+    by 16), x in fp16 and its per-sub-block sums, two sets of cross-warp partial sums, a line
+    of zeros, the ring's full and empty barriers and x's barrier."""
+    return (
+        stages * CUDA_ROWS * (8 * BLOCK_BYTES + 16)
+        + n_blocks * 512
+        + n_blocks * 128
+        + 2 * CUDA_WARPS * CUDA_ROWS * 4
+        + 64
+        + 2 * stages * 8
+        + 8
+    )
+
+
+class CudaGemvB1:
+    """The CUDA kernel for one device, built by load_inline (one build per source and
+    compile-time setting, cached by PyTorch under TORCH_EXTENSIONS_DIR)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        stages: int = CUDA_STAGES,
+        ctas_per_sm: int = 0,
+        min_ctas: int = CUDA_MIN_CTAS,
+    ) -> None:
+        """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
+        `min_ctas`: the CTAs per SM the compiler must leave registers for."""
+        from torch.utils.cpp_extension import load_inline
+
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:
+            raise RuntimeError(f"needs sm_90 (bulk copies, mbarriers); this GPU is sm_{major}{minor}")
+        if major > 9 and os.environ.get("LOOM_Q4K_CUDA") != "1":
+            # The PTX it uses exists there, but it has only been checked on Hopper.
+            raise RuntimeError(f"checked on sm_90 only; LOOM_Q4K_CUDA=1 tries it on sm_{major}{minor}")
+        flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}"]
+        with torch.cuda.device(device):
+            self.module = load_inline(
+                # the source's hash in the name: two sources never share (and overwrite) a build
+                name="loom_q4k_gemv_b1_"
+                + hashlib.sha1(CUDA_SOURCE.encode()).hexdigest()[:10]
+                + "_"
+                + "_".join(flag.replace("=", "") for flag in flags).lower(),
+                cpp_sources=CUDA_BINDING,
+                cuda_sources=CUDA_SOURCE,
+                functions=["allow", "resident", "launch"],
+                extra_cuda_cflags=[
+                    "-O3",
+                    f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}",
+                    *[f"-D{flag}" for flag in flags],
+                ],
+                verbose=False,
+            )
+        self.stages, self.ctas_per_sm = stages, ctas_per_sm
+        self.max_shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        with torch.cuda.device(device):
+            if not self.module.allow(self.max_shared):
+                raise RuntimeError(f"could not allow {self.max_shared} bytes of shared memory")
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.per_sm: dict[int, int] = {}
+
+    def fits(self, n_blocks: int) -> bool:
+        return cuda_shared_bytes(n_blocks, self.stages) <= self.max_shared and self._resident(n_blocks) > 0
+
+    def _resident(self, n_blocks: int) -> int:
+        if n_blocks not in self.per_sm:
+            self.per_sm[n_blocks] = int(self.module.resident(cuda_shared_bytes(n_blocks, self.stages)))
+        return self.per_sm[n_blocks]
+
+    def grid(self, n_rows: int, n_blocks: int) -> int:
+        """The persistent grid: at most every SM full of resident CTAs, and no more CTAs than
+        it takes to give each the same number of 16-row tiles (896 tiles on 264 resident
+        CTAs would leave 104 of them a fourth tile to do alone at the end)."""
+        tiles = -(-n_rows // CUDA_ROWS)
+        resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
+        return -(-tiles // -(-tiles // resident))
+
+    def __call__(
+        self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor, dependent: bool = False
+    ) -> None:
+        """`dependent`: launch as a programmatic dependent of the kernel before it in the
+        stream, whose weight reads then start before that kernel's writes are visible: only for
+        a weight no kernel writes (see q4k_gemv's constant_weight)."""
+        n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
+        self.module.launch(
+            weight_q4k,
+            x,
+            out,
+            self.grid(n_rows, n_blocks),
+            cuda_shared_bytes(n_blocks, self.stages),
+            dependent and os.environ.get("LOOM_Q4K_PDL") != "0",
+        )
+
+
+_cuda_kernels: dict[int, CudaGemvB1 | None] = {}
+
+
+def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
+    """The built kernel for `device`, or None where it cannot be built here (said once on
+    stderr: no nvcc or ninja, or not a Hopper GPU); LOOM_Q4K_CUDA=0 turns it off, =1 also
+    tries it past Hopper."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_kernels:
+        kernel = None
+        if os.environ.get("LOOM_Q4K_CUDA", "1") != "0" and torch.version.cuda:
+            try:
+                kernel = CudaGemvB1(torch.device("cuda", index))
+            except (RuntimeError, OSError, ImportError) as exc:
+                print(f"q4k_gemv: the CUDA kernel is unavailable, using Triton: {exc}", file=sys.stderr)
+        _cuda_kernels[index] = kernel
+    return _cuda_kernels[index]
+
+
+def _cuda_kernel(x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int) -> CudaGemvB1 | None:
+    """The CUDA kernel, where it is built, its shared memory fits, and x and W are 16-byte
+    aligned (its vector loads and bulk copies)."""
+    if x.data_ptr() % 16 or weight_q4k.data_ptr() % 16:
+        return None
+    kernel = cuda_gemv_b1(x.device)
+    return kernel if kernel is not None and kernel.fits(n_blocks) else None
+
+
+def _runs_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dequantize_q4_k(packed: torch.Tensor) -> torch.Tensor:
+    """Q4_K bytes [..., n * 144] into float32 [..., n * 256] (the CPU path without Triton)."""
+    blocks = packed.reshape(-1, BLOCK_BYTES)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    s = blocks[:, 4:16]
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], dim=-1)
+    m = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=-1)
+    # Chunk c's low nibbles are sub-block 2c, its high nibbles 2c+1. (No tensor literal here:
+    # copying one to the GPU inside forward would break CUDA-graph capture.)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    codes = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32).float()
+    weights = (d * sc.float())[:, :, None] * codes - (dmin * m.float())[:, :, None]
+    return weights.reshape(*packed.shape[:-1], -1)
+
+
+def q4k_gemv(
+    x: torch.Tensor,
+    weight_q4k: torch.Tensor,
+    config: GemvConfig | None = None,
+    constant_weight: bool = False,
+) -> torch.Tensor:
+    """x [batch, K] @ dequantize(weight_q4k [N, K / 256 * 144]).T -> [batch, N] in x's dtype.
+
+    `constant_weight`: the caller promises no kernel writes the weight (a model's parameters).
+    The CUDA kernel is then launched as a programmatic dependent (PDL, Hopper): it streams the
+    weight while the kernel before it still runs, and waits for that kernel only before it
+    reads x. Without the promise it is a plain launch, since a weight written by the kernel
+    just before could be read stale."""
+    batch, k = x.shape
+    n_rows = weight_q4k.shape[0]
+    if (
+        k % QK_K
+        or weight_q4k.dtype != torch.uint8
+        or weight_q4k.shape[1] != k // QK_K * BLOCK_BYTES
+    ):
+        raise ValueError(f"weight must be uint8 [N, {k // QK_K * BLOCK_BYTES}] Q4_K rows for K={k}")
+    # The kernel reads 16-bit activations; float32 ones (the model program's CPU reference
+    # runs) take the torch path.
+    if not _runs_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
+        return (x.float() @ _dequantize_q4_k(weight_q4k).T).to(x.dtype)
+
+    weight_q4k = weight_q4k.contiguous()
+    x = x.contiguous()
+    out = torch.empty((batch, n_rows), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    n_blocks = k // QK_K
+    kernel = _cuda_kernel(x, weight_q4k, n_blocks) if config is None and batch == 1 and x.is_cuda else None
+    if kernel is not None:
+        kernel(x, weight_q4k, out, dependent=constant_weight)
+        return out
+    config = config or pick_config(n_rows, n_blocks, batch)
+    if config.method == "mma":
+        block_b = 16  # the smallest tl.dot width; decode batches fit in one column of programs
+        grid = (triton.cdiv(n_rows, config.block_n), triton.cdiv(batch, block_b))
+        q4k_gemv_mma_kernel[grid](
+            x,
+            weight_q4k.view(torch.int32),
+            out,
+            batch,
+            n_rows,
+            n_blocks,
+            n_blocks * BLOCK_WORDS,
+            x.stride(0),
+            out.stride(0),
+            BLOCK_N=config.block_n,
+            BLOCK_KB=config.block_kb,
+            BLOCK_B=block_b,
+            num_warps=config.num_warps,
+        )
+        return out
+    block_b = min(triton.next_power_of_2(batch), MAX_BATCH_PER_PROGRAM)
+    grid = (triton.cdiv(n_rows, config.block_n), triton.cdiv(batch, block_b))
+    q4k_gemv_kernel[grid](
+        x.view(torch.int64),
+        weight_q4k.view(torch.int32),
+        out,
+        batch,
+        n_rows,
+        n_blocks,
+        n_blocks * BLOCK_WORDS,
+        k // 4,
+        out.stride(0),
+        X_IS_BF16=x.dtype == torch.bfloat16,
+        BLOCK_N=config.block_n,
+        BLOCK_KB=config.block_kb,
+        BLOCK_B=block_b,
+        X_PER_ROW=config.x_per_row,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x: torch.Tensor, weight_q4k: torch.Tensor) -> torch.Tensor:
+        return q4k_gemv(x, weight_q4k)
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = "triton" if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    cases = [(1, 32, 256, torch.bfloat16), (3, 20, 512, torch.float16), (1, 9, 1280, torch.bfloat16)]
+    for batch, n_rows, k, dtype in cases:
+        weight = torch.randint(0, 256, (n_rows, k // QK_K * BLOCK_BYTES), dtype=torch.uint8)
+        halves = weight.view(torch.float16)  # d and dmin of every block: finite, Llama-sized
+        halves[:, 0::72] = (1e-4 * (0.5 + torch.rand(n_rows, k // QK_K))).half()
+        halves[:, 1::72] = (7.5e-4 * (0.5 + torch.rand(n_rows, k // QK_K))).half()
+        x = torch.randn(batch, k, dtype=dtype)
+        expected = x.double() @ _dequantize_q4_k(weight).double().T
+        for config in [None, GemvConfig(2, 4, 1), GemvConfig(4, 8, 2, True), GemvConfig(64, 4, 4, method="mma")]:
+            out = q4k_gemv(x.to(device), weight.to(device), config)
+            torch.testing.assert_close(out.double().cpu(), expected, atol=1e-2, rtol=1e-2)
+    print(f"q4k_gemv candidate ({path} path on {device}): ok")
