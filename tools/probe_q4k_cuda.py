@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -61,10 +62,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per shape")
     parser.add_argument(
         "--variants",
         default="",
-        help="extra builds to time, as stages:ctas_per_sm[:min_ctas], e.g. 2:0,4:0:2 (0: as many as fit)",
+        help="extra configurations to time, as stages:ctas_per_sm[:min_ctas], e.g. 2:0,4:0:2 (stages 0: by shape; ctas 0: as many as fit)",
     )
     parser.add_argument(
         "--against",
@@ -148,14 +150,25 @@ def main() -> int:
                 return out
 
             timed.append((name, run))
+        # Rounds interleave the variants (in a rotated order each round): back-to-back timings
+        # of one build drift by several per cent on this machine, so a single pass per variant
+        # cannot tell 3 % apart. Reported: the median over rounds of each round's median, the
+        # rounds' medians themselves, and the first round's P10/P90 over replays.
+        per_round: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _ in timed}
+        for r in range(args.rounds):
+            for name, fn in timed[r % len(timed):] + timed[: r % len(timed)]:
+                per_round[name].append(time_rotating(fn, sets, replays=args.replays))
         for name, fn in timed:
-            med, p10, p90 = time_rotating(fn, sets, replays=args.replays)
+            med = statistics.median(m for m, _, _ in per_round[name])
+            _, p10, p90 = per_round[name][0]
             line[name] = {
                 "us": round(med * 1e6, 3),
                 "p10_us": round(p10 * 1e6, 3),
                 "p90_us": round(p90 * 1e6, 3),
                 "tb_s": round(task.bytes_moved(batch=1, n=n, k=k) / med / 1e12, 3),
             }
+            if args.rounds > 1:
+                line[name]["rounds_us"] = [round(m * 1e6, 3) for m, _, _ in per_round[name]]
             # Builds that differ in ring slots or CTAs per SM sum in the same order: same bits.
             if name in variants:
                 x0, w0 = sets[0]

@@ -355,9 +355,6 @@ typedef unsigned short u16;
 #ifndef MIN_CTAS
 #define MIN_CTAS 2
 #endif
-#ifndef STAGES
-#define STAGES 3
-#endif
 
 struct alignas(16) U4 { u32 x, y, z, w; };
 struct alignas(16) F4 { float x, y, z, w; };
@@ -435,7 +432,7 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
 }
 
 // Persistent CTAs of 8 consumer warps and one producer warp. CTA c takes the 16-row tiles
-// c, c + gridDim.x, ...; a tile streams through a ring of STAGES chunks of 16 rows x 8 blocks.
+// c, c + gridDim.x, ...; a tile streams through a ring of `stages` chunks of 16 rows x 8 blocks.
 // The producer moves each chunk as 16 bulk copies of one row's 1152 contiguous bytes
 // (cp.async.bulk, counted on the slot's `full` barrier); consumer warp w computes block w of
 // every chunk (blocks w, w + 8, ... of the rows, whose x it prepares once) and releases the
@@ -446,7 +443,7 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
 // scales it needs are its own chunk's.
 __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
 q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
-            int n_rows, int n_blocks, int x_is_bf16) {
+            int n_rows, int n_blocks, int x_is_bf16, int stages) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -455,18 +452,18 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const int my_tiles = (n_tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
   const int items = my_tiles * n_chunks;  // (tile, chunk) pairs through the CTA's ring
 
-  unsigned char* xs = smem + STAGES * SLOT_BYTES;          // [n_blocks][8 sub-blocks][64 B]
+  unsigned char* xs = smem + stages * SLOT_BYTES;          // [n_blocks][8 sub-blocks][64 B]
   float2* meta = reinterpret_cast<float2*>(xs + n_blocks * 512);  // [n_blocks][8]: unscale, sum
   float* partial = reinterpret_cast<float*>(meta + n_blocks * 8);  // [2][WARPS][16]
   unsigned char* zero_line = reinterpret_cast<unsigned char*>(partial + 2 * WARPS * ROWS);  // 64 B
   const u32 ring = shared_addr(smem);
-  const u32 full = shared_addr(zero_line + 64), empty = full + 8 * STAGES;  // [STAGES] each
+  const u32 full = shared_addr(zero_line + 64), empty = full + 8 * stages;  // [stages] each
 
   // Let the next kernel start (if launched as a programmatic dependent, it waits for this
   // one's results itself): under PDL its set-up overlaps this kernel.
   asm volatile("griddepcontrol.launch_dependents;");
   if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
-  if (tid < STAGES) {
+  if (tid < stages) {
     bar_init(full + 8 * tid, 1);
     bar_init(empty + 8 * tid, WARPS);
   }
@@ -475,10 +472,10 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
 
   if (warp == WARPS) {  // the producer
     const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
-    for (int i = 0; i < items; ++i) {
-      const int slot = i % STAGES, chunk = i % n_chunks;
+    for (int i = 0, slot = 0, round = 0; i < items; ++i) {
+      const int chunk = i % n_chunks;
       const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
-      if (i >= STAGES) bar_wait(empty + 8 * slot, ((i / STAGES) - 1) & 1);
+      if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
       const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
       if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
       __syncwarp();
@@ -487,6 +484,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
                   bytes, full + 8 * slot);
       }
+      if (++slot == stages) slot = 0, ++round;
     }
     return;
   }
@@ -566,13 +564,12 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const int bsel = (2 * t) & 3;  // byte of the packed 6-bit scale word for sub-block 2t
   const u32 pick_even = 0x7540u | bsel, pick_odd = 0x7540u | (bsel + 1);  // see byte_to_float
 
-  int i = 0;
+  int slot = 0, round = 0;  // of the ring, as the producer counts them
   for (int tile_iter = 0; tile_iter < my_tiles; ++tile_iter) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int chunk = 0; chunk < n_chunks; ++chunk, ++i) {
-      const int slot = i % STAGES;
+    for (int chunk = 0; chunk < n_chunks; ++chunk) {
       const int b = chunk * CHUNK_BLOCKS + warp;
-      bar_wait(full + 8 * slot, (i / STAGES) & 1);
+      bar_wait(full + 8 * slot, round & 1);
       if (b < n_blocks) {
         const u32 block = ring + slot * SLOT_BYTES + warp * BLOCK_BYTES;
         const u32 row_g = block + g * ROW_STRIDE, row_g8 = block + (g + 8) * ROW_STRIDE;
@@ -639,6 +636,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         __syncwarp();
         if (lane == 0) bar_arrive(empty + 8 * slot);
       }
+      if (++slot == stages) slot = 0, ++round;
     }
 
     // This tile's rows: lanes t = 0..3 hold a row's sub-blocks 2t, 2t+1; warps hold blocks.
@@ -682,7 +680,8 @@ int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memo
 // `dependent`: launch with programmatic stream serialization, so the grid may start before
 // the previous kernel in the stream ends (it waits for it before touching x and y).
 bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream) {
+                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+                        cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3((WARPS + 1) * 32);
@@ -695,7 +694,7 @@ bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n
   config.numAttrs = dependent ? 1 : 0;
   return cudaLaunchKernelEx(&config, q4k_gemv_b1_kernel, static_cast<const unsigned char*>(W),
                             static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
-                            x_is_bf16) == cudaSuccess;
+                            x_is_bf16, stages) == cudaSuccess;
 }
 """
 
@@ -707,25 +706,33 @@ CUDA_BINDING = r"""
 bool q4k_gemv_b1_allow(int max_bytes);
 int q4k_gemv_b1_resident(int shared_bytes);
 bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int grid, int shared_bytes, int dependent, cudaStream_t stream);
+                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+                        cudaStream_t stream);
 
 bool allow(int64_t max_bytes) { return q4k_gemv_b1_allow((int)max_bytes); }
 int64_t resident(int64_t shared_bytes) { return q4k_gemv_b1_resident((int)shared_bytes); }
 
-void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t grid, int64_t shared_bytes,
-            bool dependent) {
+void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t stages, int64_t grid,
+            int64_t shared_bytes, bool dependent) {
   const bool ok = q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
-                                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)grid,
-                                     (int)shared_bytes, dependent,
+                                     (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)stages,
+                                     (int)grid, (int)shared_bytes, dependent,
                                      c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   TORCH_CHECK(ok, "q4k_gemv_b1 launch failed: ", cudaGetErrorString(cudaGetLastError()));
 }
 """
 
-CUDA_WARPS, CUDA_ROWS, CUDA_STAGES, CUDA_MIN_CTAS = 8, 16, 3, 2
+CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
 
 
-def cuda_shared_bytes(n_blocks: int, stages: int = CUDA_STAGES) -> int:
+def cuda_stages(n_blocks: int) -> int:
+    """Ring slots per CTA. Measured on the H200 (plain launches, µs): K = 14336 went 13.89 /
+    13.38 / 12.74 / 14.42 at 2 / 3 / 4 / 5 slots (5 leaves one CTA per SM); K = 4096 went 12.47
+    / 12.65 / 13.21 at 2 / 3 / 4 (14336 rows) and 5.72 / 5.43 / 5.90 (4096 rows)."""
+    return 4 if n_blocks >= 32 else 3
+
+
+def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
     """Dynamic shared memory of one CTA: the ring of chunks (16 rows x 1152 bytes, rows padded
     by 16), x as bytes and its per-sub-block scales and sums, two sets of cross-warp partial sums, a line
     of zeros and the ring's full and empty barriers."""
@@ -746,12 +753,13 @@ class CudaGemvB1:
     def __init__(
         self,
         device: torch.device,
-        stages: int = CUDA_STAGES,
+        stages: int = 0,
         ctas_per_sm: int = 0,
         min_ctas: int = CUDA_MIN_CTAS,
     ) -> None:
-        """`ctas_per_sm`: resident CTAs per SM in the persistent grid (0: as many as fit);
-        `min_ctas`: the CTAs per SM the compiler must leave registers for."""
+        """`stages`: ring slots per CTA (0: `cuda_stages` of the shape); `ctas_per_sm`: resident
+        CTAs per SM in the persistent grid (0: as many as fit); `min_ctas`: the CTAs per SM the
+        compiler must leave registers for."""
         from torch.utils.cpp_extension import load_inline
 
         major, minor = torch.cuda.get_device_capability(device)
@@ -760,7 +768,7 @@ class CudaGemvB1:
         if major > 9 and os.environ.get("LOOM_Q4K_CUDA") != "1":
             # The PTX it uses exists there, but it has only been checked on Hopper.
             raise RuntimeError(f"checked on sm_90 only; LOOM_Q4K_CUDA=1 tries it on sm_{major}{minor}")
-        flags = [f"STAGES={stages}", f"MIN_CTAS={min_ctas}"]
+        flags = [f"MIN_CTAS={min_ctas}"]
         with torch.cuda.device(device):
             self.module = load_inline(
                 # the source's hash in the name: two sources never share (and overwrite) a build
@@ -786,12 +794,18 @@ class CudaGemvB1:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.per_sm: dict[int, int] = {}
 
+    def stages_for(self, n_blocks: int) -> int:
+        return self.stages or cuda_stages(n_blocks)
+
+    def shared_bytes(self, n_blocks: int) -> int:
+        return cuda_shared_bytes(n_blocks, self.stages_for(n_blocks))
+
     def fits(self, n_blocks: int) -> bool:
-        return cuda_shared_bytes(n_blocks, self.stages) <= self.max_shared and self._resident(n_blocks) > 0
+        return self.shared_bytes(n_blocks) <= self.max_shared and self._resident(n_blocks) > 0
 
     def _resident(self, n_blocks: int) -> int:
         if n_blocks not in self.per_sm:
-            self.per_sm[n_blocks] = int(self.module.resident(cuda_shared_bytes(n_blocks, self.stages)))
+            self.per_sm[n_blocks] = int(self.module.resident(self.shared_bytes(n_blocks)))
         return self.per_sm[n_blocks]
 
     def grid(self, n_rows: int, n_blocks: int) -> int:
@@ -813,8 +827,9 @@ class CudaGemvB1:
             weight_q4k,
             x,
             out,
+            self.stages_for(n_blocks),
             self.grid(n_rows, n_blocks),
-            cuda_shared_bytes(n_blocks, self.stages),
+            self.shared_bytes(n_blocks),
             dependent and os.environ.get("LOOM_Q4K_PDL") != "0",
         )
 
