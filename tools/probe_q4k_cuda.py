@@ -10,8 +10,9 @@ Triton kernel are timed on the Llama-3-8B shapes the way tools/sweep_q4k.py time
 rotating weights, one CUDA graph, median and P10/P90 over replays. The CUDA kernel is timed
 twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pdl", the model
 program's way: each call streams its weight while the one before it finishes). With
-`--against OLD/candidate.py`, that file's CUDA kernel is checked and timed in the same run
-("against_cuda", "against_cuda_pdl"): A/B on one machine state. Writes probe_q4k_cuda.json.
+`--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
+timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
+one machine state. Writes probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--against",
-        type=Path,
-        help="another candidate.py (say, the last commit's) whose CUDA kernel is checked and timed "
-        "beside this one's, in the same run",
+        default="",
+        help="other candidate.py files (comma-separated; say, the last commit's) whose CUDA kernels "
+        "are checked and timed beside this one's, in the same run; each is named by its folder",
     )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
@@ -88,15 +89,16 @@ def main() -> int:
         variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}"] = cand.CudaGemvB1(
             torch.device("cuda"), stages, per_sm, min_ctas
         )
-    other = None
-    if args.against:
-        other = load(args.against.resolve(), "cuda_probe_against")
+    others = {}
+    for index, path in enumerate(Path(p).resolve() for p in filter(None, args.against.split(","))):
+        other = load(path, f"cuda_probe_against_{index}")
         if other.cuda_gemv_b1(torch.device("cuda")) is None:
-            print(f"the CUDA kernel of {args.against} did not load", file=sys.stderr)
+            print(f"the CUDA kernel of {path} did not load", file=sys.stderr)
             return 1
+        others[path.parent.name] = other
     result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
-    if other is not None:
-        result["against"] = str(args.against)
+    if others:
+        result["against"] = args.against.split(",")
     failures = 0
     torch.manual_seed(0)
     for n, k, dtype, how in CHECKED:
@@ -106,7 +108,7 @@ def main() -> int:
         got = cand.q4k_gemv(x, w)
         torch.cuda.synchronize()
         ok = bool(task.check(got, want))
-        if other is not None:  # the other kernel must pass too, or its times mean nothing
+        for other in others.values():  # the others must pass too, or their times mean nothing
             ok = ok and bool(task.check(other.q4k_gemv(x, w), want))
         diff = (got.double() - want.double()).abs()
         rms = want.double().pow(2).mean().sqrt().item()
@@ -137,10 +139,10 @@ def main() -> int:
             ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
             ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
         ]
-        if other is not None:
+        for label, other in others.items():
             timed += [
-                ("against_cuda", lambda x, w: other.q4k_gemv(x, w)),
-                ("against_cuda_pdl", lambda x, w: other.q4k_gemv(x, w, constant_weight=True)),
+                (f"{label}_cuda", lambda x, w, other=other: other.q4k_gemv(x, w)),
+                (f"{label}_cuda_pdl", lambda x, w, other=other: other.q4k_gemv(x, w, constant_weight=True)),
             ]
         for name, variant in variants.items():
 
