@@ -167,3 +167,23 @@ def test_stream_floor_pieces_cover_each_weight_exactly_once():
             assert seg % 16 == 0  # bulk copies move multiples of 16 bytes
             if kind == "strided16":
                 assert stride == row_bytes and per_row * seg == row_bytes and n % rows == 0
+
+
+def test_ncu_summary_reads_a_real_h200_report():
+    """tools/ncu_q4k_gemv.py (gpu_session.sh `ncu`) turns ncu's CSV pages into the headline
+    figures and the most-stalled instructions; the fixtures are trimmed from an H200 run of the
+    integer-MMA kernel (ncu's columns differ between versions, so it goes by column name)."""
+    ncu = load("ncu_q4k_gemv", REPO / "tools" / "ncu_q4k_gemv.py")
+    fixtures = REPO / "tests" / "fixtures" / "ncu"
+    lines = ncu.headlines((fixtures / "details_q4k_gemv_h200.csv").read_text())
+    assert "Duration: 13.02 us" in lines
+    assert "Registers Per Thread: 88 register/thread" in lines
+    assert any(line.startswith("DRAM Throughput: 54.03") for line in lines)
+    stalls = ncu.top_stalls((fixtures / "sass_q4k_gemv_h200.csv").read_text(), count=5)
+    assert stalls[0].startswith("Warp Stall Sampling (All Samples):")
+    assert "long_sb" in stalls[0]
+    # the most-sampled instruction: the consumers' wait on the ring's full barrier
+    assert "BRA" in stalls[1] and stalls[1].rstrip().endswith("long_sb")
+    shares = [float(line.split("%")[0]) for line in stalls[1:]]
+    assert shares == sorted(shares, reverse=True) and len(shares) == 5
+    assert ncu.headlines("") == ["(no details table)"]

@@ -50,6 +50,17 @@ def run_kernel(n: int, k: int, calls: int) -> None:
     torch.cuda.synchronize()
 
 
+def headlines(details_csv: str) -> list[str]:
+    """'name: value unit' for the HEADLINES metrics of ncu's details page (CSV)."""
+    table = list(csv.reader(io.StringIO(details_csv)))
+    if not table or "Metric Name" not in table[0]:
+        return ["(no details table)"]
+    # columns move between ncu versions: go by name
+    name, unit, value = (table[0].index(c) for c in ("Metric Name", "Metric Unit", "Metric Value"))
+    return [f"{row[name]}: {row[value]} {row[unit]}".rstrip() for row in table[1:]
+            if len(row) > value and any(h in row[name] for h in HEADLINES)]
+
+
 def top_stalls(sass_csv: str, count: int = 30) -> list[str]:
     lines = sass_csv.splitlines()  # a "Kernel Name" line comes before the header
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), 0)
@@ -109,12 +120,7 @@ def main() -> int:
     details = subprocess.run([ncu, "-i", str(report), "--page", "details", "--csv"],
                              capture_output=True, text=True, timeout=120).stdout
     (args.out / "details.csv").write_text(details)
-    table = list(csv.reader(io.StringIO(details)))
-    if table and "Metric Name" in table[0]:  # columns move between ncu versions: go by name
-        name, unit, value = (table[0].index(c) for c in ("Metric Name", "Metric Unit", "Metric Value"))
-        for row in table[1:]:
-            if len(row) > value and any(h in row[name] for h in HEADLINES):
-                print(f"{row[name]}: {row[value]} {row[unit]}")
+    print("\n".join(headlines(details)))
     sass = subprocess.run([ncu, "-i", str(report), "--page", "source", "--csv", "--print-source", "sass"],
                           capture_output=True, text=True, timeout=120)
     (args.out / "sass.csv").write_text(sass.stdout)
