@@ -596,12 +596,14 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         int lo_hi[4] = {}, lo_lo[4] = {}, hi_hi[4] = {}, hi_lo[4] = {};
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-          const u32 wg0 = (&q[m >> 1].x)[2 * (m & 1)], wg1 = (&q[m >> 1].x)[2 * (m & 1) + 1];
-          const u32 wh0 = (&q[2 + (m >> 1)].x)[2 * (m & 1)], wh1 = (&q[2 + (m >> 1)].x)[2 * (m & 1) + 1];
+          // words 2m and 2m + 1 of this lane's codes in rows g and g + 8, and of x's bytes
+          const u32 g_0 = (&q[m >> 1].x)[2 * (m & 1)], g_1 = (&q[m >> 1].x)[2 * (m & 1) + 1];
+          const u32 g8_0 = (&q[2 + (m >> 1)].x)[2 * (m & 1)], g8_1 = (&q[2 + (m >> 1)].x)[2 * (m & 1) + 1];
           const u32 xh0 = (&xv[m >> 1].x)[2 * (m & 1)], xh1 = (&xv[m >> 1].x)[2 * (m & 1) + 1];
           const u32 xl0 = (&xv[2 + (m >> 1)].x)[2 * (m & 1)], xl1 = (&xv[2 + (m >> 1)].x)[2 * (m & 1) + 1];
-          const u32 l0 = wg0 & 0x0F0F0F0Fu, l1 = wh0 & 0x0F0F0F0Fu, l2 = wg1 & 0x0F0F0F0Fu, l3 = wh1 & 0x0F0F0F0Fu;
-          const u32 h0 = wg0 & 0xF0F0F0F0u, h1 = wh0 & 0xF0F0F0F0u, h2 = wg1 & 0xF0F0F0F0u, h3 = wh1 & 0xF0F0F0F0u;
+          // A's registers: row g, row g + 8 (k 4t..4t+3), then the same rows for k 16+4t..
+          const u32 l0 = g_0 & 0x0F0F0F0Fu, l1 = g8_0 & 0x0F0F0F0Fu, l2 = g_1 & 0x0F0F0F0Fu, l3 = g8_1 & 0x0F0F0F0Fu;
+          const u32 h0 = g_0 & 0xF0F0F0F0u, h1 = g8_0 & 0xF0F0F0F0u, h2 = g_1 & 0xF0F0F0F0u, h3 = g8_1 & 0xF0F0F0F0u;
           mma_signed(lo_hi, l0, l1, l2, l3, xh0, xh1);
           mma_unsigned(lo_lo, l0, l1, l2, l3, xl0, xl1);
           mma_signed(hi_hi, h0, h1, h2, h3, xh0, xh1);
