@@ -187,3 +187,18 @@ def test_ncu_summary_reads_a_real_h200_report():
     shares = [float(line.split("%")[0]) for line in stalls[1:]]
     assert shares == sorted(shares, reverse=True) and len(shares) == 5
     assert ncu.headlines("") == ["(no details table)"]
+
+
+def test_cuda_probe_summary_of_a_recorded_h200_run():
+    """The probe ends with a short table of its JSON (gpu_session.sh shows only the tail);
+    here on the eighth session's recorded H200 result."""
+    import json
+
+    probe = load("probe_q4k_cuda_summary", REPO / "tools" / "probe_q4k_cuda.py")
+    recorded = json.loads((REPO / "docs" / "h200_2026-12-01_s8" / "final" / "probe_q4k_cuda.json").read_text())
+    lines = probe.summary(recorded).splitlines()
+    assert lines[0] == "checks: 11 of 11 passed"
+    by_shape = {line.split(":")[0]: line for line in lines[1:]}
+    assert set(by_shape) == {"4096x4096", "14336x4096", "4096x14336", "1024x4096"}
+    assert "cuda_pdl 11.17 [11.13, 11.36] (2.96)" in by_shape["14336x4096"]
+    assert "triton 25.84" in by_shape["4096x14336"]

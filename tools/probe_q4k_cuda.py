@@ -181,7 +181,26 @@ def main() -> int:
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probe_q4k_cuda.json").write_text(json.dumps(result, indent=1))
+    print(summary(result), flush=True)
     return 1 if failures else 0
+
+
+def summary(result: dict) -> str:
+    """The timings as one short table (µs, TB/s; [min, max] over rounds where there were
+    several), and how many checks passed: what a reader of the device's output wants."""
+    checks = result.get("checks", [])
+    lines = [f"checks: {sum(c['ok'] for c in checks)} of {len(checks)} passed"]
+    for line in result.get("timings", []):
+        _, n, k = line["shape"]
+        cells = []
+        for name, timing in line.items():
+            if not isinstance(timing, dict) or "us" not in timing:
+                continue
+            rounds = timing.get("rounds_us")
+            spread = f" [{min(rounds):.2f}, {max(rounds):.2f}]" if rounds else ""
+            cells.append(f"{name} {timing['us']:.2f}{spread} ({timing['tb_s']:.2f})")
+        lines.append(f"{n}x{k}: " + "; ".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
