@@ -74,20 +74,21 @@ def top_stalls(sass_csv: str, count: int = 30) -> list[str]:
     if sampled is None:
         return ["(no stall-sampling column; columns: " + ", ".join(columns[:30]) + ")"]
 
-    def samples(row: dict) -> float:
+    def number(row: dict, column: str) -> float:  # empty or non-numeric cells count as 0
         try:
-            return float(row[sampled] or 0)
+            return float(row[column] or 0)
         except ValueError:
             return 0.0
 
-    total = sum(samples(r) for r in rows) or 1.0
-    ranked = sorted(rows, key=samples, reverse=True)[:count]
-    by_reason = {c: sum(float(r[c] or 0) for r in rows) for c in reasons}
+    total = sum(number(r, sampled) for r in rows) or 1.0
+    ranked = sorted(rows, key=lambda r: number(r, sampled), reverse=True)[:count]
+    by_reason = sorted(((sum(number(r, c) for r in rows), c) for c in reasons), reverse=True)[:8]
     out = [f"{sampled}: {total:.0f} samples; by reason: "
-           + ", ".join(f"{c[6:]} {100 * v / total:.1f} %" for c, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:8])]
+           + ", ".join(f"{c[6:]} {100 * v / total:.1f} %" for v, c in by_reason)]
     for r in ranked:
-        why = max(reasons, key=lambda c: float(r[c] or 0)) if reasons else ""
-        out.append(f"{100 * samples(r) / total:5.1f} %  {r.get('Address', '')[-5:]}  {r[source][:70]:70s} {why[6:]}")
+        why = max(reasons, key=lambda c: number(r, c)) if reasons else ""
+        share = 100 * number(r, sampled) / total
+        out.append(f"{share:5.1f} %  {r.get('Address', '')[-5:]}  {r[source][:70]:70s} {why[6:]}")
     return out
 
 

@@ -90,7 +90,8 @@ def main() -> int:
             torch.device("cuda"), stages, per_sm, min_ctas
         )
     others = {}
-    for index, path in enumerate(Path(p).resolve() for p in filter(None, args.against.split(","))):
+    against = [Path(p).resolve() for p in filter(None, args.against.split(","))]
+    for index, path in enumerate(against):
         other = load(path, f"cuda_probe_against_{index}")
         if other.cuda_gemv_b1(torch.device("cuda")) is None:
             print(f"the CUDA kernel of {path} did not load", file=sys.stderr)
@@ -98,7 +99,7 @@ def main() -> int:
         others[path.parent.name] = other
     result: dict = {"device": torch.cuda.get_device_name(), "checks": [], "timings": []}
     if others:
-        result["against"] = args.against.split(",")
+        result["against"] = [str(path) for path in against]
     failures = 0
     torch.manual_seed(0)
     for n, k, dtype, how in CHECKED:

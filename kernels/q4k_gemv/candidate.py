@@ -358,7 +358,6 @@ typedef unsigned short u16;
 #endif
 
 struct alignas(16) U4 { u32 x, y, z, w; };
-struct alignas(16) F4 { float x, y, z, w; };
 
 __device__ __forceinline__ u32 shared_addr(const void* p) {
   u32 a;
@@ -401,21 +400,17 @@ __device__ __forceinline__ float half_to_float(u16 h) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
-// D = A (16x32, u8 codes) * B (32x8, s8 or u8 bytes of x) + C, int32 accumulate: exact.
-__device__ __forceinline__ void mma_signed(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_unsigned(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// D = A (16x32, u8 codes) * B (32x8, bytes of x) + C, int32 accumulate: exact. One wrapper
+// per type of x's bytes: s8 (the signed high bytes) and u8 (the low bytes).
+#define MMA_BYTES(name, x_type)                                                                    \
+  __device__ __forceinline__ void name(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) { \
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8." x_type ".s32 {%0,%1,%2,%3}, "       \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                          \
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])                                 \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                         \
+  }
+MMA_BYTES(mma_signed, "s8")
+MMA_BYTES(mma_unsigned, "u8")
 
 __device__ __forceinline__ float to_float(u32 word, int high, int x_is_bf16) {
   if (x_is_bf16) return __uint_as_float(high ? (word & 0xFFFF0000u) : (word << 16));
