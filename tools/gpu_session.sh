@@ -46,7 +46,7 @@ case "$phase" in
   floor)
     timeout 200 python3 tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
   cuda)
-    timeout 400 python3 tools/probe_q4k_cuda.py --out "$out" --rounds "${CUDA_ROUNDS:-1}" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} \
+    timeout "${CUDA_TIMEOUT:-400}" python3 tools/probe_q4k_cuda.py --out "$out" --rounds "${CUDA_ROUNDS:-1}" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} \
       ${CUDA_AGAINST:+--against $CUDA_AGAINST} 2>&1 | grep -v Warn | tail -24 ;;
   ncu)
     timeout 400 python3 tools/ncu_q4k_gemv.py --out "$out" --shape "${NCU_SHAPE:-14336x4096}" 2>&1 | grep -v Warn | tail -45 ;;

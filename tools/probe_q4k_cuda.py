@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="",
-        help="extra configurations to time, as stages:ctas_per_sm[:min_ctas], e.g. 2:0,4:0:2 (stages 0: by shape; ctas 0: as many as fit)",
+        help="extra configurations to time, as stages:ctas_per_sm[:min_ctas[:cluster]], e.g. 2:0,4:0:2,0:0:2:4 (stages 0: by shape; ctas 0: as many as fit; cluster: CTAs sharing x, where the candidate has it)",
     )
     parser.add_argument(
         "--against",
@@ -85,9 +85,11 @@ def main() -> int:
         return 1
     variants = {}
     for spec in filter(None, args.variants.split(",")):
-        stages, per_sm, min_ctas = (int(v) for v in (spec.split(":") + ["2"])[:3])
-        variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}"] = cand.CudaGemvB1(
-            torch.device("cuda"), stages, per_sm, min_ctas
+        stages, per_sm, min_ctas, cluster = (int(v) for v in (spec.split(":") + ["2", "0"])[:4])
+        # a cluster size only where one is asked for: older candidates lack the setting
+        extra = {"cluster": cluster} if cluster else {}
+        variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}" + (f"_x{cluster}" if cluster else "")] = cand.CudaGemvB1(
+            torch.device("cuda"), stages, per_sm, min_ctas, **extra
         )
     others = {}
     against = [Path(p).resolve() for p in filter(None, args.against.split(","))]
@@ -146,13 +148,14 @@ def main() -> int:
                 (f"{label}_cuda_pdl", lambda x, w, other=other: other.q4k_gemv(x, w, constant_weight=True)),
             ]
         for name, variant in variants.items():
+            for suffix, dependent in (("", False), ("_pdl", True)):
 
-            def run(x, w, variant=variant, n=n):
-                out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-                variant(x, w, out)
-                return out
+                def run(x, w, variant=variant, n=n, dependent=dependent):
+                    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+                    variant(x, w, out, dependent=dependent)
+                    return out
 
-            timed.append((name, run))
+                timed.append((name + suffix, run))
         # Rounds interleave the variants (in a rotated order each round): back-to-back timings
         # of one build drift by several per cent on this machine, so a single pass per variant
         # cannot tell 3 % apart. Reported: the median over rounds of each round's median, the
@@ -173,7 +176,7 @@ def main() -> int:
             if args.rounds > 1:
                 line[name]["rounds_us"] = [round(m * 1e6, 3) for m, _, _ in per_round[name]]
             # Builds that differ in ring slots or CTAs per SM sum in the same order: same bits.
-            if name in variants:
+            if name.removesuffix("_pdl") in variants:
                 x0, w0 = sets[0]
                 line[name]["same_as_cuda"] = bool(torch.equal(fn(x0, w0), cand.q4k_gemv(x0, w0)))
         result["timings"].append(line)
