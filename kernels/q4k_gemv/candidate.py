@@ -726,10 +726,12 @@ CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
 
 
 def cuda_stages(n_blocks: int) -> int:
-    """Ring slots per CTA. Measured on the H200 (plain launches, µs): K = 14336 went 13.89 /
-    13.38 / 12.74 / 14.42 at 2 / 3 / 4 / 5 slots (5 leaves one CTA per SM); K = 4096 went 12.47
-    / 12.65 / 13.21 at 2 / 3 / 4 (14336 rows) and 5.72 / 5.43 / 5.90 (4096 rows)."""
-    return 4 if n_blocks >= 32 else 3
+    """Ring slots per CTA: three at every Llama shape. On the H200 with the current kernel
+    (ninth session, two runs of 5-7 interleaved rounds, µs plain / PDL): K = 14336 took 12.40 / 11.97, 12.52 /
+    11.20 and 12.85 / 11.61 at 2 / 3 / 4 slots; 14336 x 4096 took 12.30 / 11.26, 12.66 / 10.84
+    and 13.15 / 10.82; 4096 x 4096 5.90 / 4.55, 5.95 / 4.58 and 6.10 / 4.66. (The kernel before
+    it was faster with four at K = 14336, plain: 12.74 against 13.38.)"""
+    return 3
 
 
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
