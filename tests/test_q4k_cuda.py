@@ -62,6 +62,17 @@ def test_shared_memory_plan_fits_two_ctas_for_llama_shapes(candidate):
     assert 2 * (candidate.cuda_shared_bytes(56, 4) + 1024) <= 228 * 1024
 
 
+def test_ring_depth_follows_the_shape_unless_overridden(candidate, monkeypatch):
+    monkeypatch.delenv("LOOM_Q4K_STAGES", raising=False)
+    assert candidate.ring_slots(56) == candidate.cuda_stages(56)
+    monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
+    assert candidate.ring_slots(56) == candidate.ring_slots(16) == 4
+    for bad in ("0", "9", "four", "-1"):
+        monkeypatch.setenv("LOOM_Q4K_STAGES", bad)
+        with pytest.raises(ValueError, match="LOOM_Q4K_STAGES"):
+            candidate.ring_slots(56)
+
+
 @pytest.mark.gpu
 def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
     import torch
@@ -150,6 +161,7 @@ def test_cuda_probe_describes_itself():
     )
     assert result.returncode == 0, result.stderr
     assert "--variants" in result.stdout and "CUDA batch-1 Q4_K GEMV" in result.stdout
+    assert "--candidate" in result.stdout and "--against" in result.stdout
 
 
 def test_stream_floor_pieces_cover_each_weight_exactly_once():

@@ -67,7 +67,15 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         default="",
-        help="extra configurations to time, as stages:ctas_per_sm[:min_ctas[:cluster]], e.g. 2:0,4:0:2,0:0:2:4 (stages 0: by shape; ctas 0: as many as fit; cluster: CTAs sharing x, where the candidate has it)",
+        help="extra configurations of the candidate to time, as stages:ctas_per_sm[:min_ctas[:cluster]], "
+        "e.g. 2:0,4:0:2,0:0:2:2 (stages 0: by shape; ctas 0: as many as fit; cluster: CTAs per "
+        "cluster, where the candidate takes one)",
+    )
+    parser.add_argument(
+        "--candidate",
+        type=Path,
+        default=REPO / "kernels/q4k_gemv/candidate.py",
+        help="the candidate.py whose kernel is checked, timed and varied (default: the task's own)",
     )
     parser.add_argument(
         "--against",
@@ -78,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "cuda_probe_base")
-    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "cuda_probe_cand")
+    cand = load(args.candidate.resolve(), "cuda_probe_cand")
     kernel = cand.cuda_gemv_b1(torch.device("cuda"))
     if kernel is None:
         print("the CUDA kernel did not load", file=sys.stderr)

@@ -734,6 +734,18 @@ def cuda_stages(n_blocks: int) -> int:
     return 3
 
 
+def ring_slots(n_blocks: int) -> int:
+    """The ring slots a launch uses where the kernel object does not fix them: `cuda_stages`,
+    or LOOM_Q4K_STAGES (1-8, read at every launch) for timing another depth in a whole
+    program, such as the model's decode."""
+    override = os.environ.get("LOOM_Q4K_STAGES", "").strip()
+    if not override:
+        return cuda_stages(n_blocks)
+    if not override.isdigit() or not 1 <= int(override) <= 8:
+        raise ValueError(f"LOOM_Q4K_STAGES must be a whole number from 1 to 8, not {override!r}")
+    return int(override)
+
+
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
     """Dynamic shared memory of one CTA: the ring of chunks (16 rows x 1152 bytes, rows padded
     by 16), x as bytes and its per-sub-block scales and sums, two sets of cross-warp partial sums, a line
@@ -759,7 +771,7 @@ class CudaGemvB1:
         ctas_per_sm: int = 0,
         min_ctas: int = CUDA_MIN_CTAS,
     ) -> None:
-        """`stages`: ring slots per CTA (0: `cuda_stages` of the shape); `ctas_per_sm`: resident
+        """`stages`: ring slots per CTA (0: `ring_slots` of the shape); `ctas_per_sm`: resident
         CTAs per SM in the persistent grid (0: as many as fit); `min_ctas`: the CTAs per SM the
         compiler must leave registers for."""
         from torch.utils.cpp_extension import load_inline
@@ -797,7 +809,7 @@ class CudaGemvB1:
         self.per_sm: dict[int, int] = {}
 
     def stages_for(self, n_blocks: int) -> int:
-        return self.stages or cuda_stages(n_blocks)
+        return self.stages or ring_slots(n_blocks)
 
     def shared_bytes(self, n_blocks: int) -> int:
         return cuda_shared_bytes(n_blocks, self.stages_for(n_blocks))
@@ -806,9 +818,10 @@ class CudaGemvB1:
         return self.shared_bytes(n_blocks) <= self.max_shared and self._resident(n_blocks) > 0
 
     def _resident(self, n_blocks: int) -> int:
-        if n_blocks not in self.per_sm:
-            self.per_sm[n_blocks] = int(self.module.resident(self.shared_bytes(n_blocks)))
-        return self.per_sm[n_blocks]
+        shared = self.shared_bytes(n_blocks)  # by bytes: the ring's depth may change between calls
+        if shared not in self.per_sm:
+            self.per_sm[shared] = int(self.module.resident(shared))
+        return self.per_sm[shared]
 
     def grid(self, n_rows: int, n_blocks: int) -> int:
         """The persistent grid: at most every SM full of resident CTAs, and no more CTAs than
