@@ -1039,6 +1039,36 @@ def remove_worktree(repo: Path, worktree: Path) -> None:
     _remove(info, wt)
 
 
+def repository_root(path: Path) -> Path:
+    """The top of the git work tree that `path` (a directory) lies in."""
+    where = Path(path)
+    if not where.is_dir():
+        raise LoomError(ErrorCode.NOT_FOUND, f"{where} does not exist or is not a directory")
+    res = _git(where, "rev-parse", "--path-format=absolute", "--show-toplevel", check=False)
+    if res.returncode != 0 or not _out(res):
+        raise LoomError(
+            ErrorCode.BAD_INPUT, f"{where} is not inside a git repository with a working tree"
+        )
+    return Path(os.path.realpath(_out(res)))
+
+
+def checkout_revision(repo: Path, worktrees_root: Path, name: str, rev: str) -> tuple[Path, str]:
+    """A linked worktree `<worktrees_root>/<name>` of `repo`, detached at `rev`, and the commit's
+    full sha: a revision as it was committed (the user's uncommitted edits are not in it), for
+    running a command there. `remove_worktree` takes it away."""
+    info = _open_repo(repo)
+    if not _SUBMISSION_ID.match(name):
+        raise LoomError(ErrorCode.BAD_INPUT, f"worktree name {name!r} is not a plain name")
+    sha = _resolve_commit(info.top, rev, "revision")
+    root = _check_root(info, worktrees_root)
+    root.mkdir(parents=True, exist_ok=True)
+    wt = root / name
+    if os.path.lexists(wt):
+        raise LoomError(ErrorCode.BAD_INPUT, f"worktree {wt} already exists")
+    _git(info.top, "worktree", "add", "--detach", "--quiet", str(wt), sha)
+    return wt, sha
+
+
 def _kept(name: str, keep: Iterable[str]) -> bool:
     # A submission may own siblings of its worktree, e.g. `<id>.task.py` for a task outside the repo.
     return any(name == k or name.startswith(k + ".") for k in keep)

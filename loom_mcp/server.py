@@ -23,7 +23,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from loom_mcp import __version__
-from loom_mcp.bench.command_models import CommandBenchmarkResult
+from loom_mcp.bench.command_models import Arm, CommandBenchmarkResult
 from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
 from loom_mcp.errors import ErrorCode, LoomError
@@ -458,40 +458,68 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     @server.tool(title="Benchmark commands", annotations=RECORDS)
     async def benchmark_command(
         ctx: Context,
-        baseline_command: Annotated[list[str], Field(min_length=1, max_length=256, description="The baseline, as argv (e.g. the model program at the campaign base)")],
-        command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv")],
+        command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv; with revisions, what both arms run")],
+        baseline_command: Annotated[list[str] | None, Field(min_length=1, max_length=256, description="The baseline, as argv (e.g. the model program at the campaign base); with revisions it defaults to `command`")] = None,
         metrics: Annotated[list[str] | None, Field(max_length=20, description="Metric names to compare (append ':higher' or ':lower' for unknown ones); default: the parser's headline metrics")] = None,
         runs: Annotated[int, Field(ge=3, le=200, description="Runs per arm, interleaved ABBA")] = 5,
         parser: Annotated[Literal["auto", "json", "vllm", "sglang"], Field(description="json: last JSON object on stdout; vllm / sglang: their benchmark result JSON")] = "auto",
         metrics_file: Annotated[str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")] = None,
-        cwd: Annotated[str | None, Field(description="Working directory of both commands (inside the allowed roots)")] = None,
+        cwd: Annotated[str | None, Field(description="Working directory of both commands (inside the allowed roots); with revisions, the same directory inside each revision's worktree")] = None,
         warmup: Annotated[int, Field(ge=0, le=10, description="Unrecorded runs per arm first")] = 0,
+        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag, HEAD~1): each arm then runs in a fresh worktree of `repo` at its own revision, committed content only")] = None,
+        revision: Annotated[str | None, Field(min_length=1, max_length=256, description="The candidate arm's revision (default HEAD); needs baseline_revision")] = None,
+        repo: Annotated[str | None, Field(description="A directory of the git repository the revisions belong to (default: cwd)")] = None,
         campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
     ) -> CommandBenchmarkResult:
-        """Compare two whole programs (a model server benchmark, the llama_q4k program, a script):
-        run each `runs` times interleaved ABBA in the sandbox, parse the JSON metrics they print
-        (vLLM and SGLang benchmark results understood), and report per metric each arm's median with
-        its CI and the improvement factor with a bootstrap CI (> 1 = candidate better, direction known
-        per metric). The commands get no network beyond their own loopback."""
+        """Compare two whole programs (a model server benchmark, the llama_q4k program, a script),
+        or one command at two git revisions: run each arm `runs` times interleaved ABBA in the
+        sandbox, parse the JSON metrics they print (vLLM and SGLang benchmark results understood),
+        and report per metric each arm's median with its CI and the improvement factor with a
+        bootstrap CI (> 1 = candidate better, direction known per metric). The commands get no
+        network beyond their own loopback."""
         arguments = {"baseline_command": baseline_command, "command": command, "metrics": metrics,
                      "runs": runs, "parser": parser, "metrics_file": metrics_file, "cwd": cwd,
-                     "warmup": warmup}
+                     "warmup": warmup, "baseline_revision": baseline_revision,
+                     "revision": revision, "repo": repo}
 
         async def body(scope: CallScope) -> CommandBenchmarkResult:
             from loom_mcp import judge
             from loom_mcp.bench.command import benchmark_commands
+            from loom_mcp.bench.revisions import revision_checkouts
             from loom_mcp.store import new_run_id
 
+            if baseline_revision is None and (revision is not None or repo is not None):
+                raise LoomError(ErrorCode.BAD_INPUT, "revision and repo need baseline_revision")
+            if baseline_revision is None and baseline_command is None:
+                raise LoomError(
+                    ErrorCode.BAD_INPUT,
+                    "give baseline_command, or baseline_revision to run `command` at two revisions",
+                )
             cwd_path = config.check_allowed(Path(cwd), "cwd") if cwd else None
             run_id = new_run_id("benchmark")
+            job_dir = config.jobs_dir / run_id
             target = await judge.pick_target(config)
-            async with judge.Leased(config, target, progress_of(ctx)) as held:
-                result = await benchmark_commands(
-                    baseline=baseline_command, candidate=command, metrics=metrics, runs=runs,
-                    job_dir=config.jobs_dir / run_id, timeout_s=config.job_timeout_s, cwd=cwd_path,
-                    env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
-                    gate=config.gate, progress=progress_of(ctx))
-            scope.device_s = held.seconds
+
+            async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
+                async with judge.Leased(config, target, progress_of(ctx)) as held:
+                    result = await benchmark_commands(
+                        baseline=baseline_command or command, candidate=command, metrics=metrics,
+                        runs=runs, job_dir=job_dir, timeout_s=config.job_timeout_s, cwd=where,
+                        env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
+                        gate=config.gate, progress=progress_of(ctx))
+                scope.device_s = held.seconds
+                return result
+
+            if baseline_revision is None:
+                result = await measure(cwd_path)
+            else:
+                repo_path = config.check_allowed(Path(repo), "repo") if repo else cwd_path
+                if repo_path is None:
+                    raise LoomError(ErrorCode.BAD_INPUT, "revisions need repo (or cwd) to name the repository")
+                wanted: dict[Arm, str] = {"baseline": baseline_revision, "candidate": revision or "HEAD"}
+                async with revision_checkouts(repo_path, wanted, job_dir / "revisions", cwd_path) as checkouts:
+                    result = await measure(checkouts.cwds)
+                result.revisions = checkouts.commits
             result.benchmark_id = run_id
             samples = orjson.loads(Path(result.samples_file).read_bytes())
             judge.store_record(services.ledger, services.artifacts, run_id, "benchmark",

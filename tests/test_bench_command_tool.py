@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -44,3 +46,82 @@ async def test_faster_program_wins_on_both_metrics(tmp_path):
         record = await client.read_resource(f"loom://runs/{data['benchmark_id']}")
         assert json.loads(record.contents[0].text)["mode"] == "command"
 
+
+
+def git(repo, *args) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.com", "HOME": str(repo), "PATH": os.environ["PATH"]}
+    done = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def program_at(speed: float) -> str:
+    return ("import json, random\n"
+            f"print(json.dumps({{'decode_tokens_per_s': 100 * {speed} * random.uniform(0.995, 1.005)}}))\n")
+
+
+def two_commit_repo(tmp_path):
+    """bench/program.py slow in the first commit, 1.3x faster in the second, and 9x faster in an
+    uncommitted edit that neither revision may see."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    git(repo, "init", "-q", "-b", "main")
+    for speed, message in ((1.0, "slow"), (1.3, "fast")):
+        (repo / "bench" / "program.py").write_text(program_at(speed))
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", message)
+    (repo / "bench" / "program.py").write_text(program_at(9.0))
+    return repo
+
+
+def worktrees(repo) -> list[str]:
+    return [line for line in git(repo, "worktree", "list", "--porcelain").splitlines()
+            if line.startswith("worktree ")]
+
+
+@pytest.mark.anyio
+async def test_one_command_at_two_revisions(tmp_path):
+    repo = two_commit_repo(tmp_path)
+    server = build_server(load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
+    async with Client(server) as client:
+        result = await client.call_tool("benchmark_command", {
+            "command": [sys.executable, "program.py"], "cwd": str(repo / "bench"),
+            "baseline_revision": "HEAD~1", "runs": 5, "parser": "json"})
+        assert result.is_error is False, result.content
+        data = result.structured_content
+        assert data["revisions"] == {"baseline": git(repo, "rev-parse", "HEAD~1"),
+                                     "candidate": git(repo, "rev-parse", "HEAD")}
+        (metric,) = data["metrics"]
+        # the committed 1.3x, not the uncommitted 9x
+        assert 1.2 < metric["ratio"]["estimate"] < 1.4 and metric["ratio"]["ci_low"] > 1.0
+        record = json.loads((await client.read_resource(f"loom://runs/{data['benchmark_id']}")).contents[0].text)
+        assert record["result"]["revisions"] == data["revisions"]
+        ran_in = record["samples"]["cwd"]
+        assert ran_in["baseline"] != ran_in["candidate"] and ran_in["baseline"].endswith("bench")
+    assert len(worktrees(repo)) == 1  # the two checkouts are gone
+    assert "9.0" in (repo / "bench" / "program.py").read_text()  # the user's edit untouched
+
+
+@pytest.mark.anyio
+async def test_revision_mistakes_are_refused_and_leave_no_worktree(tmp_path):
+    repo = two_commit_repo(tmp_path)
+    git(repo, "rm", "-q", "-r", "-f", "bench")
+    git(repo, "commit", "-q", "-m", "no bench")
+    server = build_server(load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
+    base = {"command": [sys.executable, "program.py"], "runs": 3, "parser": "json"}
+    async with Client(server) as client:
+        async def refused(arguments: dict, *words: str) -> None:
+            result = await client.call_tool("benchmark_command", {**base, **arguments})
+            text = result.content[0].text
+            assert result.is_error is True and all(w in text for w in words), text
+
+        await refused({"cwd": str(repo), "baseline_revision": "no-such-branch"}, "[NOT_FOUND]", "no-such-branch")
+        await refused({"cwd": str(repo / "bench"), "baseline_revision": "HEAD~1"},
+                      "[NOT_FOUND]", "bench", "HEAD")  # gone at the candidate revision
+        await refused({"cwd": str(repo), "revision": "HEAD"}, "[BAD_INPUT]", "baseline_revision")
+        await refused({}, "[BAD_INPUT]", "baseline_command")
+        await refused({"cwd": str(tmp_path), "baseline_revision": "HEAD"}, "not inside a git repository")
+        # a command that fails at the baseline revision: refused, checkouts removed all the same
+        await refused({"cwd": str(repo), "baseline_revision": "HEAD~2", "revision": "HEAD~1",
+                       "command": [sys.executable, "bench/missing.py"]}, "[BAD_INPUT]", "first run")
+    assert len(worktrees(repo)) == 1

@@ -25,6 +25,9 @@ Where the metrics come from (`parser`):
   Each arm is recognised on its own, so vLLM can be compared with SGLang (name the shared
   metrics).
 
+Working directory: ``cwd`` for both arms, or one per arm: the server's ``benchmark_command`` runs
+one command at two git revisions that way, each in its own worktree (`bench/revisions.py`).
+
 ``metrics_file``: vLLM and SGLang write their JSON to a file, not to stdout. ``metrics_file`` is
 a path relative to the run's working directory (``cwd`` when given, else the run's own fresh
 directory, which is also its TMPDIR), read instead of stdout. With ``cwd``, the file must not
@@ -76,7 +79,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -551,7 +554,7 @@ class _Bench:
         runs: int,
         job_dir: Path,
         timeout_s: float,
-        cwd: Path | None,
+        cwds: dict[Arm, Path | None],
         env: dict[str, str],
         parser: ParserName,
         metrics_file: PurePosixPath | None,
@@ -562,7 +565,7 @@ class _Bench:
         self.runs = runs
         self.job_dir = job_dir
         self.timeout_s = timeout_s
-        self.cwd = cwd
+        self.cwds = cwds
         self.env = env
         self.parser = parser
         self.metrics_file = metrics_file
@@ -582,10 +585,10 @@ class _Bench:
             log.exception("progress callback failed")
 
     def _argv(self, arm: Arm) -> list[str]:
-        argv = self.commands[arm]
-        if self.cwd is None:
+        argv, cwd = self.commands[arm], self.cwds[arm]
+        if cwd is None:
             return list(argv)
-        return [sys.executable, "-I", "-S", "-c", _CHDIR_EXEC, str(self.cwd), *argv]
+        return [sys.executable, "-I", "-S", "-c", _CHDIR_EXEC, str(cwd), *argv]
 
     async def run(self, arm: Arm, index: int) -> _Run:
         self.seq += 1
@@ -610,7 +613,7 @@ class _Bench:
         res = await run_job(spec, on_progress=tick if self.progress else None)
         record = _Run(arm, index, self.seq, res.wall_s, _status(res, self.timeout_s))
         self.history.append(record)
-        text, source = await self._collect(res, run_dir)
+        text, source = await self._collect(res, run_dir, self.cwds[arm])
         if not res.ok:
             record.failure = record.status + _stderr_tail(res, 200)
             if self.attempts[arm] == 1:
@@ -624,7 +627,7 @@ class _Bench:
             raise LoomError(
                 ErrorCode.BAD_INPUT,
                 f"{label} exited 0 but did not write metrics_file {str(self.metrics_file)!r} "
-                f"(looked in {self.cwd or 'the run directory'})",
+                f"(looked in {self.cwds[arm] or 'the run directory'})",
             )
         try:
             record.parsed = parse_output(text, self.parser)
@@ -636,19 +639,21 @@ class _Bench:
                 raise LoomError(ErrorCode.BAD_INPUT, f"{label}: {record.parsed.problem}")
         return record
 
-    async def _collect(self, res: JobResult, run_dir: Path) -> tuple[str | None, str]:
+    async def _collect(
+        self, res: JobResult, run_dir: Path, cwd: Path | None
+    ) -> tuple[str | None, str]:
         """The text to parse and where it came from; moves a metrics_file out of `cwd`."""
         if self.metrics_file is None:
             return res.stdout_tail, "stdout"
         source = f"metrics_file {str(self.metrics_file)!r}"
-        path = (self.cwd or run_dir) / self.metrics_file
+        path = (cwd or run_dir) / self.metrics_file
         if not path.is_file():
             return None, source
         try:
             text = await anyio.to_thread.run_sync(_read_text, path)
         except OutputError as exc:
             raise LoomError(ErrorCode.BAD_INPUT, f"{source} {exc}") from exc
-        if self.cwd is not None:
+        if cwd is not None:
             # Consumed: the next run must write its own, and this run's output is kept.
             kept = run_dir / f"metrics-{self.metrics_file.name}"
             await anyio.to_thread.run_sync(shutil.move, str(path), str(kept))
@@ -675,7 +680,7 @@ async def benchmark_commands(
     runs: int,
     job_dir: Path,
     timeout_s: float,
-    cwd: Path | None,
+    cwd: Path | Mapping[Arm, Path] | None,
     env: dict[str, str] | None,
     parser: ParserName,
     progress: Progress | None = None,
@@ -686,6 +691,7 @@ async def benchmark_commands(
 ) -> CommandBenchmarkResult:
     """Run `baseline` and `candidate` `runs` times each in ABBA order and compare their metrics.
 
+    `cwd`: where both commands run, or one directory per arm (say, two git revisions' worktrees).
     `timeout_s` bounds each run. `warmup` unrecorded runs per arm go first (page cache, JIT and
     compile caches). `allow_network` lets runs reach beyond their own loopback (benchmarking a
     server started outside the run); the caller decides whether that is allowed. `gate` supplies
@@ -708,18 +714,25 @@ async def benchmark_commands(
     if parser not in ("auto", "json", "vllm", "sglang"):
         raise LoomError(ErrorCode.BAD_INPUT, f"unknown parser {parser!r}")
     specs = parse_metric_specs(metrics) if metrics else None
-    run_cwd: Path | None = None
-    if cwd is not None:
-        run_cwd = Path(cwd).expanduser().resolve()
-        if not run_cwd.is_dir():
-            raise LoomError(ErrorCode.NOT_FOUND, f"cwd {run_cwd} is not a directory")
+    given: dict[Arm, Path | None] = (
+        {"baseline": cwd.get("baseline"), "candidate": cwd.get("candidate")}
+        if isinstance(cwd, Mapping)
+        else {"baseline": cwd, "candidate": cwd}
+    )
+    run_cwds: dict[Arm, Path | None] = {}
+    for arm, where in given.items():
+        resolved = None if where is None else Path(where).expanduser().resolve()
+        if resolved is not None and not resolved.is_dir():
+            raise LoomError(ErrorCode.NOT_FOUND, f"cwd {resolved} is not a directory")
+        run_cwds[arm] = resolved
     rel = _check_metrics_file(metrics_file) if metrics_file is not None else None
-    if rel is not None and run_cwd is not None and (run_cwd / rel).exists():
-        raise LoomError(
-            ErrorCode.BAD_INPUT,
-            f"metrics_file {run_cwd / rel} exists before the first run: remove it, so a stale "
-            "result cannot pass for a fresh one",
-        )
+    for where in {w for w in run_cwds.values() if w is not None}:
+        if rel is not None and (where / rel).exists():
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"metrics_file {where / rel} exists before the first run: remove it, so a stale "
+                "result cannot pass for a fresh one",
+            )
     job_dir = Path(job_dir).expanduser().resolve()
     try:  # the env is the same for every run: refuse a bad one before anything runs
         JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}), readonly_fs=False)
@@ -732,7 +745,7 @@ async def benchmark_commands(
         runs=runs,
         job_dir=job_dir,
         timeout_s=timeout_s,
-        cwd=run_cwd,
+        cwds=run_cwds,
         env=dict(env or {}),
         parser=parser,
         metrics_file=rel,
@@ -929,7 +942,7 @@ def _write_samples(
     record = {
         "baseline_command": bench.commands["baseline"],
         "candidate_command": bench.commands["candidate"],
-        "cwd": str(bench.cwd) if bench.cwd else None,
+        "cwd": {arm: str(where) if where else None for arm, where in bench.cwds.items()},
         "metrics_file": str(bench.metrics_file) if bench.metrics_file else None,
         "parser_used": parser_used,
         "metrics": [{"name": n, "higher_is_better": h} for n, h in chosen],

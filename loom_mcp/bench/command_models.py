@@ -50,5 +50,8 @@ class CommandBenchmarkResult(_Model):
     )
     findings: list[Finding] = Field(default_factory=list)
     samples_file: str = Field(description="Every run's parsed values, exit status and wall time")
+    revisions: dict[Arm, str] | None = Field(
+        default=None, description="The commit each arm ran, when the arms were git revisions"
+    )
     seconds: float
     next_step: str
