@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import anyio
 import pytest
 from mcp import Client
 
@@ -125,3 +126,22 @@ async def test_revision_mistakes_are_refused_and_leave_no_worktree(tmp_path):
         await refused({"cwd": str(repo), "baseline_revision": "HEAD~2", "revision": "HEAD~1",
                        "command": [sys.executable, "bench/missing.py"]}, "[BAD_INPUT]", "first run")
     assert len(worktrees(repo)) == 1
+
+
+@pytest.mark.anyio
+async def test_revision_worktrees_are_removed_when_the_benchmark_is_cancelled(tmp_path):
+    from loom_mcp.bench.revisions import revision_checkouts
+
+    repo = two_commit_repo(tmp_path)
+    seen: list = []
+    with anyio.move_on_after(1.0) as scope:
+        async with revision_checkouts(repo, {"baseline": "HEAD~1", "candidate": "HEAD"},
+                                      tmp_path / "job" / "revisions", repo / "bench") as checkouts:
+            seen.append(checkouts)
+            assert len(worktrees(repo)) == 3
+            assert "1.3" in (checkouts.cwds["candidate"] / "program.py").read_text()
+            assert "1.0" in (checkouts.cwds["baseline"] / "program.py").read_text()
+            await anyio.sleep(30)  # a long benchmark, cut short
+    assert scope.cancelled_caught and seen
+    assert len(worktrees(repo)) == 1
+    assert not any((tmp_path / "job" / "revisions").iterdir())
