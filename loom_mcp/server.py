@@ -466,9 +466,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         metrics_file: Annotated[str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")] = None,
         cwd: Annotated[str | None, Field(description="Working directory of both commands (inside the allowed roots); with revisions, the same directory inside each revision's worktree")] = None,
         warmup: Annotated[int, Field(ge=0, le=10, description="Unrecorded runs per arm first")] = 0,
-        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag, HEAD~1): each arm then runs in a fresh worktree of `repo` at its own revision, committed content only")] = None,
+        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag, HEAD~1; say, a campaign's base commit, against its loom/<campaign> branch as `revision`): each arm then runs in a fresh worktree of `repo` at its own revision, committed content only")] = None,
         revision: Annotated[str | None, Field(min_length=1, max_length=256, description="The candidate arm's revision (default HEAD); needs baseline_revision")] = None,
-        repo: Annotated[str | None, Field(description="A directory of the git repository the revisions belong to (default: cwd)")] = None,
+        repo: Annotated[str | None, Field(description="A directory of the git repository the revisions belong to (default: cwd, else the campaign's repository)")] = None,
         campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
     ) -> CommandBenchmarkResult:
         """Compare two whole programs (a model server benchmark, the llama_q4k program, a script),
@@ -514,8 +514,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                 result = await measure(cwd_path)
             else:
                 repo_path = config.check_allowed(Path(repo), "repo") if repo else cwd_path
+                if repo_path is None and campaign_id is not None:
+                    campaign = services.ledger.campaign(campaign_id)
+                    repo_path = Path(campaign["repo"]) if campaign else None
                 if repo_path is None:
-                    raise LoomError(ErrorCode.BAD_INPUT, "revisions need repo (or cwd) to name the repository")
+                    raise LoomError(ErrorCode.BAD_INPUT,
+                                    "revisions need repo (or cwd, or a campaign) to name the repository")
                 wanted: dict[Arm, str] = {"baseline": baseline_revision, "candidate": revision or "HEAD"}
                 async with revision_checkouts(repo_path, wanted, job_dir / "revisions", cwd_path) as checkouts:
                     result = await measure(checkouts.cwds)

@@ -145,3 +145,20 @@ async def test_revision_worktrees_are_removed_when_the_benchmark_is_cancelled(tm
     assert scope.cancelled_caught and seen
     assert len(worktrees(repo)) == 1
     assert not any((tmp_path / "job" / "revisions").iterdir())
+
+
+@pytest.mark.anyio
+async def test_revisions_of_a_campaigns_repository(tmp_path):
+    repo = two_commit_repo(tmp_path)
+    server = build_server(load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
+    async with Client(server) as client:
+        started = await client.call_tool("start_campaign", {"repo": str(repo), "goal": "decode speed"})
+        assert started.is_error is False, started.content
+        campaign_id = started.structured_content["campaign_id"]
+        result = await client.call_tool("benchmark_command", {
+            "command": [sys.executable, "bench/program.py"], "baseline_revision": "HEAD~1",
+            "campaign_id": campaign_id, "runs": 3, "parser": "json"})
+        assert result.is_error is False, result.content
+        assert result.structured_content["revisions"]["candidate"] == git(repo, "rev-parse", "HEAD")
+        assert result.structured_content["metrics"][0]["ratio"]["estimate"] > 1.2
+    assert len(worktrees(repo)) == 1
