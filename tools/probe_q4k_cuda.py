@@ -12,7 +12,9 @@ twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pd
 program's way: each call streams its weight while the one before it finishes). With
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
-one machine state. Writes probe_q4k_cuda.json.
+one machine state. `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
+place. Writes probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
