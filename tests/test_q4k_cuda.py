@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,23 @@ def test_cuda_probe_summary_of_a_recorded_h200_run():
     assert set(by_shape) == {"4096x4096", "14336x4096", "4096x14336", "1024x4096"}
     assert "cuda_pdl 11.17 [11.13, 11.36] (2.96)" in by_shape["14336x4096"]
     assert "triton 25.84" in by_shape["4096x14336"]
+
+
+@pytest.mark.parametrize("files, packed", [(9, True), (8, False)])
+def test_gpu_session_packs_what_the_device_would_not_return(tmp_path, files, packed):
+    out = tmp_path / "out"
+    for i in range(files):
+        path = out / f"phase{i % 3}" / "sub" / f"f{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(i))
+    done = subprocess.run(["bash", str(REPO / "tools" / "gpu_session.sh"), "pack"],
+                          env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    if not packed:
+        assert len(left) == files
+        return
+    assert left == ["session.tgz"]
+    with tarfile.open(out / "session.tgz") as archive:
+        names = sorted(n.removeprefix("./") for n in archive.getnames() if archive.getmember(n).isfile())
+    assert names == sorted(f"phase{i % 3}/sub/f{i}.txt" for i in range(files))

@@ -24,9 +24,23 @@
 #   kernels     the roofline table of every kernel task
 #   loop        every kernel task (or $LOOP_TASKS, comma-separated) through submit_candidate over MCP
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
+#   pack        (also done after the last phase) the device returns at most 8 files from $OUT:
+#               more are packed into $OUT/session.tgz (tar xzf it where they land)
 # Several phases in one call: bash tools/gpu_session.sh verify turnaround kernels
 set -uo pipefail
+
+pack() {
+  [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
+  local files
+  files=$(find "$OUT" -type f ! -name session.tgz | wc -l)
+  [ "$files" -gt 8 ] || return 0
+  (cd "$OUT" && tar czf session.tgz --exclude=./session.tgz . \
+    && find . -mindepth 1 -maxdepth 1 ! -name session.tgz -exec rm -rf {} +) \
+    && echo "== packed $files files into $OUT/session.tgz"
+}
+
 for phase in "$@"; do
+if [ "$phase" = pack ]; then pack; continue; fi
 out=${OUT:-.}/$phase
 mkdir -p "$out"
 echo "== $phase $(date -u +%T)"
@@ -73,3 +87,4 @@ a = analyze(Path(sys.argv[1])); [print(f'{k.time_us:10.1f} us {k.count:6d}x  {k.
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 done
+pack
