@@ -162,7 +162,7 @@ def test_cuda_probe_describes_itself():
     )
     assert result.returncode == 0, result.stderr
     assert "--variants" in result.stdout and "CUDA batch-1 Q4_K GEMV" in result.stdout
-    assert "--candidate" in result.stdout and "--against" in result.stdout
+    assert "--candidate" in result.stdout and "--against" in result.stdout and "--batch" in result.stdout
 
 
 def test_stream_floor_pieces_cover_each_weight_exactly_once():

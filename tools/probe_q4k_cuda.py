@@ -12,7 +12,8 @@ twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pd
 program's way: each call streams its weight while the one before it finishes). With
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
-one machine state. `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+one machine state. `--batch N` times batch N instead (the task's Triton kernel against one
+batch-1 CUDA launch per row). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
 candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
 place. Writes probe_q4k_cuda.json.
 """
@@ -72,6 +73,13 @@ def main() -> int:
         help="extra configurations of the candidate to time, as stages:ctas_per_sm[:min_ctas[:cluster]], "
         "e.g. 2:0,4:0:2,0:0:2:2 (stages 0: by shape; ctas 0: as many as fit; cluster: CTAs per "
         "cluster, where the candidate takes one)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="time batch N (2-8) instead: the Triton kernel the task runs there against N "
+        "launches of the batch-1 CUDA kernel, one per row of x (plain and PDL), each checked first",
     )
     parser.add_argument(
         "--candidate",
@@ -139,12 +147,12 @@ def main() -> int:
     for n, k in TIMED:
 
         def make(n=n, k=k):
-            x, w = task.get_inputs(batch=1, n=n, k=k)
+            x, w = task.get_inputs(batch=args.batch, n=n, k=k)
             return x.cuda(), w.cuda()
 
         sets = rotating_sets(make, n * k // 256 * 144)
         config = cand.pick_config(n, k // 256, 1)
-        line = {"shape": [1, n, k], "sets": len(sets)}
+        line = {"shape": [args.batch, n, k], "sets": len(sets)}
         timed = [
             ("cuda", lambda x, w: cand.q4k_gemv(x, w)),
             # the rotating weights are never written: launched as a programmatic dependent,
@@ -152,12 +160,19 @@ def main() -> int:
             ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
             ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
         ]
-        for label, other in others.items():
+        if args.batch > 1:
+            timed = batched_entries(cand, kernel, n)
+            x0, w0 = sets[0]
+            want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
+            for name, fn in timed:
+                line[f"{name}_ok"] = bool(task.check(fn(x0, w0), want))
+                failures += not line[f"{name}_ok"]
+        for label, other in others.items() if args.batch == 1 else ():
             timed += [
                 (f"{label}_cuda", lambda x, w, other=other: other.q4k_gemv(x, w)),
                 (f"{label}_cuda_pdl", lambda x, w, other=other: other.q4k_gemv(x, w, constant_weight=True)),
             ]
-        for name, variant in variants.items():
+        for name, variant in variants.items() if args.batch == 1 else ():
             for suffix, dependent in (("", False), ("_pdl", True)):
 
                 def run(x, w, variant=variant, n=n, dependent=dependent):
@@ -181,7 +196,7 @@ def main() -> int:
                 "us": round(med * 1e6, 3),
                 "p10_us": round(p10 * 1e6, 3),
                 "p90_us": round(p90 * 1e6, 3),
-                "tb_s": round(task.bytes_moved(batch=1, n=n, k=k) / med / 1e12, 3),
+                "tb_s": round(task.bytes_moved(batch=args.batch, n=n, k=k) / med / 1e12, 3),
             }
             if args.rounds > 1:
                 line[name]["rounds_us"] = [round(m * 1e6, 3) for m, _, _ in per_round[name]]
@@ -197,6 +212,23 @@ def main() -> int:
     (args.out / "probe_q4k_cuda.json").write_text(json.dumps(result, indent=1))
     print(summary(result), flush=True)
     return 1 if failures else 0
+
+
+def batched_entries(cand, kernel, n: int) -> list:
+    """At batch > 1: what the task runs (the Triton kernel), and the batch-1 CUDA kernel launched
+    once per row of x into its row of y, which reads the weight once per row."""
+
+    def rows(x, w, dependent=False):
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        for i in range(x.shape[0]):
+            kernel(x[i : i + 1], w, out[i : i + 1], dependent=dependent)
+        return out
+
+    return [
+        ("triton", lambda x, w: cand.q4k_gemv(x, w)),
+        ("cuda_rows", rows),
+        ("cuda_rows_pdl", lambda x, w: rows(x, w, dependent=True)),
+    ]
 
 
 def summary(result: dict) -> str:
