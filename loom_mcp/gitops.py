@@ -1069,6 +1069,23 @@ def checkout_revision(repo: Path, worktrees_root: Path, name: str, rev: str) -> 
     return wt, sha
 
 
+def discard_worktree_dir(worktree: Path) -> None:
+    """Delete a linked worktree found on disk with no record of its repository (a server that
+    died mid-run), then let that repository forget it. A directory that is a repository itself
+    (`.git` a directory, not a linked worktree's file) is left alone."""
+    wt = Path(worktree)
+    if (wt / ".git").is_dir():
+        raise LoomError(ErrorCode.BAD_INPUT, f"{wt} is a repository, not a linked worktree")
+    common: Path | None = None
+    if (wt / ".git").is_file():
+        res = _git(wt, "rev-parse", "--path-format=absolute", "--git-common-dir", check=False)
+        if res.returncode == 0 and _out(res):
+            common = Path(_out(res))
+    _rmtree(wt)
+    if common is not None and common.is_dir():
+        _git(common, "worktree", "prune", check=False)
+
+
 def _kept(name: str, keep: Iterable[str]) -> bool:
     # A submission may own siblings of its worktree, e.g. `<id>.task.py` for a task outside the repo.
     return any(name == k or name.startswith(k + ".") for k in keep)

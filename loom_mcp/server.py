@@ -84,6 +84,12 @@ def open_services(config: LoomConfig) -> Services:
         removed = recover_interrupted(config, ledger)
         if removed:
             log.warning("removed %d worktree(s) left by interrupted submissions", len(removed))
+    if (worktrees / "_revisions").is_dir():
+        from loom_mcp.bench.revisions import sweep_stale_revisions
+
+        swept = sweep_stale_revisions(config.home)
+        if swept:
+            log.warning("removed %d revision checkout(s) left by a stopped server", len(swept))
     return Services(config=config, ledger=ledger, artifacts=ArtifactStore(config.artifacts_dir, ledger))
 
 
@@ -485,7 +491,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> CommandBenchmarkResult:
             from loom_mcp import judge
             from loom_mcp.bench.command import benchmark_commands
-            from loom_mcp.bench.revisions import revision_checkouts
+            from loom_mcp.bench.revisions import revision_checkouts, revisions_root
             from loom_mcp.store import new_run_id
 
             if baseline_revision is None and (revision is not None or repo is not None):
@@ -521,7 +527,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                     raise LoomError(ErrorCode.BAD_INPUT,
                                     "revisions need repo (or cwd, or a campaign) to name the repository")
                 wanted: dict[Arm, str] = {"baseline": baseline_revision, "candidate": revision or "HEAD"}
-                async with revision_checkouts(repo_path, wanted, job_dir / "revisions", cwd_path) as checkouts:
+                root = revisions_root(config.home, run_id)
+                async with revision_checkouts(repo_path, wanted, root, cwd_path) as checkouts:
                     result = await measure(checkouts.cwds)
                 result.revisions = checkouts.commits
             result.benchmark_id = run_id

@@ -144,7 +144,7 @@ async def test_revision_worktrees_are_removed_when_the_benchmark_is_cancelled(tm
             await anyio.sleep(30)  # a long benchmark, cut short
     assert scope.cancelled_caught and seen
     assert len(worktrees(repo)) == 1
-    assert not any((tmp_path / "job" / "revisions").iterdir())
+    assert not (tmp_path / "job" / "revisions").exists()
 
 
 @pytest.mark.anyio
@@ -162,3 +162,26 @@ async def test_revisions_of_a_campaigns_repository(tmp_path):
         assert result.structured_content["revisions"]["candidate"] == git(repo, "rev-parse", "HEAD")
         assert result.structured_content["metrics"][0]["ratio"]["estimate"] > 1.2
     assert len(worktrees(repo)) == 1
+
+
+@pytest.mark.anyio
+async def test_a_stopped_servers_revision_checkouts_are_swept_at_start(tmp_path):
+    from loom_mcp import gitops
+    from loom_mcp.bench.revisions import REVISIONS_DIR
+
+    repo = two_commit_repo(tmp_path)
+    home = tmp_path / "home"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = home / "worktrees" / REVISIONS_DIR / f"{dead.stdout.strip()}-b20261201-dead"
+    live = home / "worktrees" / REVISIONS_DIR / f"{os.getpid()}-b20261201-live"
+    for root in (stale, live):
+        for arm, rev in (("baseline", "HEAD~1"), ("candidate", "HEAD")):
+            gitops.checkout_revision(repo, root, arm, rev)
+    assert len(worktrees(repo)) == 5
+    server = build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
+    async with Client(server) as client:
+        assert (await client.list_tools()).tools
+    assert not stale.exists()  # its process is gone: removed, and git forgot them
+    assert sorted(p.name for p in live.iterdir()) == ["baseline", "candidate"]  # a live one's kept
+    assert len(worktrees(repo)) == 3

@@ -1,10 +1,12 @@
 """Git revisions as the two arms of the command mode of benchmark: each arm's revision checked
-out into its own worktree under the run's job directory, the command run there, the worktrees
-removed afterwards (also when the benchmark fails or is cancelled)."""
+out into its own worktree under LOOM_HOME/worktrees/_revisions/<pid>-<run>, the command run
+there, the worktrees removed afterwards (also when the benchmark fails or is cancelled), and
+those of a server that died mid-run removed by the next one to start (`sweep_stale_revisions`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +22,43 @@ from loom_mcp.errors import ErrorCode, LoomError
 log = logging.getLogger(__name__)
 
 ARMS: tuple[Arm, Arm] = ("baseline", "candidate")
+# beside the campaigns' worktree folders, which are named by campaign id
+REVISIONS_DIR = "_revisions"
+
+
+def revisions_root(home: Path, run_id: str) -> Path:
+    """Where one run's two checkouts go: named by this process, so a later server can tell the
+    checkouts of a dead one from those of a live one sharing LOOM_HOME."""
+    return Path(home) / "worktrees" / REVISIONS_DIR / f"{os.getpid()}-{run_id}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale_revisions(home: Path) -> list[str]:
+    """Remove the checkouts of runs whose server process is gone; return what was removed."""
+    root = Path(home) / "worktrees" / REVISIONS_DIR
+    removed: list[str] = []
+    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+        pid = run_dir.name.split("-", 1)[0]
+        if not run_dir.is_dir() or (pid.isdigit() and _alive(int(pid))):
+            continue
+        for worktree in sorted(run_dir.iterdir()):
+            try:
+                gitops.discard_worktree_dir(worktree)
+                removed.append(f"{run_dir.name}/{worktree.name}")
+            except LoomError as exc:
+                log.warning("left %s in place: %s", worktree, exc)
+        if not any(run_dir.iterdir()):
+            run_dir.rmdir()
+    return removed
 
 
 @dataclass(frozen=True)
@@ -79,3 +118,7 @@ async def revision_checkouts(
                     await anyio.to_thread.run_sync(gitops.remove_worktree, top, worktree)
                 except LoomError as exc:  # never hide the benchmark's own outcome behind this
                     log.warning("could not remove the revision worktree %s: %s", worktree, exc)
+            try:
+                Path(root).rmdir()  # only if empty: whatever else is there is not ours
+            except OSError:
+                pass
