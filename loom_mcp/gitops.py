@@ -789,6 +789,30 @@ def _load_meta(info: _Repo, worktree: Path) -> _SubmissionMeta:
         ) from None
 
 
+def _add_detached(
+    info: _Repo, worktrees_root: Path, name: str, rev: str, labels: tuple[str, str]
+) -> tuple[Path, str]:
+    """`<worktrees_root>/<name>`, a new linked worktree of `info` detached at `rev`, and the
+    commit `rev` resolved to. `labels` name `name` and `rev` in errors."""
+    if not _SUBMISSION_ID.match(name):
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"{labels[0]} {name!r} must be 1-128 of [A-Za-z0-9._-], not starting with . or -",
+        )
+    sha = _resolve_commit(info.top, rev, labels[1])
+    root = _check_root(info, worktrees_root)
+    root.mkdir(parents=True, exist_ok=True)
+    wt = root / name
+    if os.path.lexists(wt):
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"worktree {wt} already exists; names must be unique (stale ones are removed by "
+            "cleanup_stale_worktrees)",
+        )
+    _git(info.top, "worktree", "add", "--detach", "--quiet", str(wt), sha)
+    return wt, sha
+
+
 def prepare_worktree(
     repo: Path, worktrees_root: Path, submission_id: str, start_commit: str, change: FrozenChange
 ) -> Path:
@@ -799,22 +823,9 @@ def prepare_worktree(
     behind or rewrites files. A change that leaves the start commit's tree unchanged is refused.
     """
     info = _open_repo(repo)
-    if not _SUBMISSION_ID.match(submission_id):
-        raise LoomError(
-            ErrorCode.BAD_INPUT,
-            f"submission id {submission_id!r} must be 1-128 of [A-Za-z0-9._-], not starting with . or -",
-        )
-    start = _resolve_commit(info.top, start_commit, "start commit")
-    root = _check_root(info, worktrees_root)
-    root.mkdir(parents=True, exist_ok=True)
-    wt = root / submission_id
-    if os.path.lexists(wt):
-        raise LoomError(
-            ErrorCode.BAD_INPUT,
-            f"worktree {wt} already exists; submission ids must be unique (stale ones are removed "
-            "by cleanup_stale_worktrees)",
-        )
-    _git(info.top, "worktree", "add", "--detach", "--quiet", str(wt), start)
+    wt, start = _add_detached(
+        info, worktrees_root, submission_id, start_commit, ("submission id", "start commit")
+    )
     try:
         to_stage = _apply_change(wt, change)
         if to_stage:
@@ -1056,34 +1067,17 @@ def checkout_revision(repo: Path, worktrees_root: Path, name: str, rev: str) -> 
     """A linked worktree `<worktrees_root>/<name>` of `repo`, detached at `rev`, and the commit's
     full sha: a revision as it was committed (the user's uncommitted edits are not in it), for
     running a command there. `remove_worktree` takes it away."""
-    info = _open_repo(repo)
-    if not _SUBMISSION_ID.match(name):
-        raise LoomError(ErrorCode.BAD_INPUT, f"worktree name {name!r} is not a plain name")
-    sha = _resolve_commit(info.top, rev, "revision")
-    root = _check_root(info, worktrees_root)
-    root.mkdir(parents=True, exist_ok=True)
-    wt = root / name
-    if os.path.lexists(wt):
-        raise LoomError(ErrorCode.BAD_INPUT, f"worktree {wt} already exists")
-    _git(info.top, "worktree", "add", "--detach", "--quiet", str(wt), sha)
-    return wt, sha
+    return _add_detached(_open_repo(repo), worktrees_root, name, rev, ("worktree name", "revision"))
 
 
-def discard_worktree_dir(worktree: Path) -> None:
-    """Delete a linked worktree found on disk with no record of its repository (a server that
-    died mid-run), then let that repository forget it. A directory that is a repository itself
-    (`.git` a directory, not a linked worktree's file) is left alone."""
-    wt = Path(worktree)
-    if (wt / ".git").is_dir():
-        raise LoomError(ErrorCode.BAD_INPUT, f"{wt} is a repository, not a linked worktree")
-    common: Path | None = None
-    if (wt / ".git").is_file():
-        res = _git(wt, "rev-parse", "--path-format=absolute", "--git-common-dir", check=False)
-        if res.returncode == 0 and _out(res):
-            common = Path(_out(res))
-    _rmtree(wt)
-    if common is not None and common.is_dir():
-        _git(common, "worktree", "prune", check=False)
+def main_worktree(worktree: Path) -> Path | None:
+    """The repository a linked worktree belongs to (its main working tree), or None if git
+    cannot tell (not a worktree, or the repository is gone)."""
+    if not (Path(worktree) / ".git").is_file():
+        return None
+    res = _git(Path(worktree), "worktree", "list", "--porcelain", check=False)
+    first = _out(res).splitlines()[:1] if res.returncode == 0 else []
+    return Path(first[0].removeprefix("worktree ")) if first and first[0].startswith("worktree ") else None
 
 
 def _kept(name: str, keep: Iterable[str]) -> bool:

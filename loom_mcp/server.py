@@ -84,12 +84,11 @@ def open_services(config: LoomConfig) -> Services:
         removed = recover_interrupted(config, ledger)
         if removed:
             log.warning("removed %d worktree(s) left by interrupted submissions", len(removed))
-    if (worktrees / "_revisions").is_dir():
-        from loom_mcp.bench.revisions import sweep_stale_revisions
+    from loom_mcp.bench.revisions import sweep_stale_revisions
 
-        swept = sweep_stale_revisions(config.home)
-        if swept:
-            log.warning("removed %d revision checkout(s) left by a stopped server", len(swept))
+    swept = sweep_stale_revisions(config.home)
+    if swept:
+        log.warning("removed %d revision checkout(s) left by a stopped server", len(swept))
     return Services(config=config, ledger=ledger, artifacts=ArtifactStore(config.artifacts_dir, ledger))
 
 

@@ -166,8 +166,7 @@ async def test_revisions_of_a_campaigns_repository(tmp_path):
 
 @pytest.mark.anyio
 async def test_a_stopped_servers_revision_checkouts_are_swept_at_start(tmp_path):
-    from loom_mcp import gitops
-    from loom_mcp.bench.revisions import REVISIONS_DIR
+    from loom_mcp.bench.revisions import REVISIONS_DIR, revision_checkouts
 
     repo = two_commit_repo(tmp_path)
     home = tmp_path / "home"
@@ -175,9 +174,10 @@ async def test_a_stopped_servers_revision_checkouts_are_swept_at_start(tmp_path)
                           capture_output=True, text=True, check=True)
     stale = home / "worktrees" / REVISIONS_DIR / f"{dead.stdout.strip()}-b20261201-dead"
     live = home / "worktrees" / REVISIONS_DIR / f"{os.getpid()}-b20261201-live"
+    held = []  # entered and never left (held, so no finaliser leaves them): a killed server's state
     for root in (stale, live):
-        for arm, rev in (("baseline", "HEAD~1"), ("candidate", "HEAD")):
-            gitops.checkout_revision(repo, root, arm, rev)
+        held.append(revision_checkouts(repo, {"baseline": "HEAD~1", "candidate": "HEAD"}, root))
+        await held[-1].__aenter__()
     assert len(worktrees(repo)) == 5
     server = build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
     async with Client(server) as client:

@@ -151,15 +151,7 @@ def main() -> int:
             return x.cuda(), w.cuda()
 
         sets = rotating_sets(make, n * k // 256 * 144)
-        config = cand.pick_config(n, k // 256, 1)
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
-        timed = [
-            ("cuda", lambda x, w: cand.q4k_gemv(x, w)),
-            # the rotating weights are never written: launched as a programmatic dependent,
-            # each call streams its weight while the call before it finishes
-            ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
-            ("triton", lambda x, w, c=config: cand.q4k_gemv(x, w, c)),
-        ]
         if args.batch > 1:
             timed = batched_entries(cand, kernel, n)
             x0, w0 = sets[0]
@@ -167,20 +159,8 @@ def main() -> int:
             for name, fn in timed:
                 line[f"{name}_ok"] = bool(task.check(fn(x0, w0), want))
                 failures += not line[f"{name}_ok"]
-        for label, other in others.items() if args.batch == 1 else ():
-            timed += [
-                (f"{label}_cuda", lambda x, w, other=other: other.q4k_gemv(x, w)),
-                (f"{label}_cuda_pdl", lambda x, w, other=other: other.q4k_gemv(x, w, constant_weight=True)),
-            ]
-        for name, variant in variants.items() if args.batch == 1 else ():
-            for suffix, dependent in (("", False), ("_pdl", True)):
-
-                def run(x, w, variant=variant, n=n, dependent=dependent):
-                    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-                    variant(x, w, out, dependent=dependent)
-                    return out
-
-                timed.append((name + suffix, run))
+        else:
+            timed = batch1_entries(cand, others, variants, n, k)
         # Rounds interleave the variants (in a rotated order each round): back-to-back timings
         # of one build drift by several per cent on this machine, so a single pass per variant
         # cannot tell 3 % apart. Reported: the median over rounds of each round's median, the
@@ -212,6 +192,34 @@ def main() -> int:
     (args.out / "probe_q4k_cuda.json").write_text(json.dumps(result, indent=1))
     print(summary(result), flush=True)
     return 1 if failures else 0
+
+
+def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
+    """At batch 1: the candidate's CUDA kernel plain and as a programmatic dependent, its Triton
+    kernel, each `--against` file's CUDA kernel both ways, and each variant both ways."""
+    config = cand.pick_config(n, k // 256, 1)
+    timed = [
+        ("cuda", lambda x, w: cand.q4k_gemv(x, w)),
+        # the rotating weights are never written: launched as a programmatic dependent, each
+        # call streams its weight while the call before it finishes
+        ("cuda_pdl", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
+        ("triton", lambda x, w: cand.q4k_gemv(x, w, config)),
+    ]
+    for label, other in others.items():
+        timed += [
+            (f"{label}_cuda", lambda x, w, other=other: other.q4k_gemv(x, w)),
+            (f"{label}_cuda_pdl", lambda x, w, other=other: other.q4k_gemv(x, w, constant_weight=True)),
+        ]
+    for name, variant in variants.items():
+        for suffix, dependent in (("", False), ("_pdl", True)):
+
+            def run(x, w, variant=variant, dependent=dependent):
+                out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+                variant(x, w, out, dependent=dependent)
+                return out
+
+            timed.append((name + suffix, run))
+    return timed
 
 
 def batched_entries(cand, kernel, n: int) -> list:

@@ -498,9 +498,9 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   // the MMAs run on bytes: x = unscale * (256 hi + lo). Sub-block layout (64 B): the 32 high
   // bytes in order, then the 32 low bytes. The per-sub-block float sum of x serves the min
   // term. Lane l takes values 8 (l % 4) .. + 7 of sub-block l / 4; eight blocks' loads are in
-  // flight at once (every block of a warp up to K = 16384). On the H200 that was 1-3 % faster
-  // than rounds of four under PDL at every Llama shape, and 3.5 % slower with plain launches at
-  // K = 14336 (ninth session, five interleaved runs).
+  // flight at once (every block of a warp up to K = 16384). On the H200 that was 0.5-4 % faster
+  // than rounds of four under PDL at every Llama shape, and 2.5-3.8 % slower with plain launches
+  // at K = 14336 (ninth session, five interleaved runs).
   const int my_blocks = n_blocks > warp ? (n_blocks - warp + WARPS - 1) / WARPS : 0;
   {
     const int s = lane >> 2, part = lane & 3;
@@ -736,8 +736,8 @@ def cuda_stages(n_blocks: int) -> int:
 
 def ring_slots(n_blocks: int) -> int:
     """The ring slots a launch uses where the kernel object does not fix them: `cuda_stages`,
-    or LOOM_Q4K_STAGES (1-8, read at every launch) for timing another depth in a whole
-    program, such as the model's decode."""
+    or LOOM_Q4K_STAGES (1-8) for timing another depth in a whole program, such as the model's
+    decode. A kernel object asks once per shape (`CudaGemvB1.stages_for`)."""
     override = os.environ.get("LOOM_Q4K_STAGES", "").strip()
     if not override:
         return cuda_stages(n_blocks)
@@ -807,9 +807,12 @@ class CudaGemvB1:
                 raise RuntimeError(f"could not allow {self.max_shared} bytes of shared memory")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.per_sm: dict[int, int] = {}
+        self.stages_by_blocks: dict[int, int] = {}
 
     def stages_for(self, n_blocks: int) -> int:
-        return self.stages or ring_slots(n_blocks)
+        if n_blocks not in self.stages_by_blocks:  # settled at a shape's first launch
+            self.stages_by_blocks[n_blocks] = self.stages or ring_slots(n_blocks)
+        return self.stages_by_blocks[n_blocks]
 
     def shared_bytes(self, n_blocks: int) -> int:
         return cuda_shared_bytes(n_blocks, self.stages_for(n_blocks))
@@ -818,10 +821,9 @@ class CudaGemvB1:
         return self.shared_bytes(n_blocks) <= self.max_shared and self._resident(n_blocks) > 0
 
     def _resident(self, n_blocks: int) -> int:
-        shared = self.shared_bytes(n_blocks)  # by bytes: the ring's depth may change between calls
-        if shared not in self.per_sm:
-            self.per_sm[shared] = int(self.module.resident(shared))
-        return self.per_sm[shared]
+        if n_blocks not in self.per_sm:
+            self.per_sm[n_blocks] = int(self.module.resident(self.shared_bytes(n_blocks)))
+        return self.per_sm[n_blocks]
 
     def grid(self, n_rows: int, n_blocks: int) -> int:
         """The persistent grid: at most every SM full of resident CTAs, and no more CTAs than

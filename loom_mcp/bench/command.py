@@ -726,12 +726,13 @@ async def benchmark_commands(
             raise LoomError(ErrorCode.NOT_FOUND, f"cwd {resolved} is not a directory")
         run_cwds[arm] = resolved
     rel = _check_metrics_file(metrics_file) if metrics_file is not None else None
-    for where in {w for w in run_cwds.values() if w is not None}:
-        if rel is not None and (where / rel).exists():
+    stale = [w / rel for w in run_cwds.values() if w is not None and rel is not None]
+    for path in stale:
+        if path.exists():
             raise LoomError(
                 ErrorCode.BAD_INPUT,
-                f"metrics_file {where / rel} exists before the first run: remove it, so a stale "
-                "result cannot pass for a fresh one",
+                f"metrics_file {path} exists before the first run: remove it, so a stale result "
+                "cannot pass for a fresh one",
             )
     job_dir = Path(job_dir).expanduser().resolve()
     try:  # the env is the same for every run: refuse a bad one before anything runs

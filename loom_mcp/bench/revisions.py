@@ -42,6 +42,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _remove_checkouts(repo: Path, run_dir: Path) -> list[str]:
+    """Everything in `run_dir`, the checkouts and their git metadata included, then the folder."""
+    removed = gitops.cleanup_stale_worktrees(repo, run_dir)
+    try:
+        run_dir.rmdir()  # only if empty: what cleanup leaves (a repository) is not ours
+    except OSError:
+        pass
+    return removed
+
+
 def sweep_stale_revisions(home: Path) -> list[str]:
     """Remove the checkouts of runs whose server process is gone; return what was removed."""
     root = Path(home) / "worktrees" / REVISIONS_DIR
@@ -50,14 +60,13 @@ def sweep_stale_revisions(home: Path) -> list[str]:
         pid = run_dir.name.split("-", 1)[0]
         if not run_dir.is_dir() or (pid.isdigit() and _alive(int(pid))):
             continue
-        for worktree in sorted(run_dir.iterdir()):
-            try:
-                gitops.discard_worktree_dir(worktree)
-                removed.append(f"{run_dir.name}/{worktree.name}")
-            except LoomError as exc:
-                log.warning("left %s in place: %s", worktree, exc)
-        if not any(run_dir.iterdir()):
-            run_dir.rmdir()
+        # the checkouts name their repository; with none left to ask, they go as plain folders
+        repos = (gitops.main_worktree(child) for child in sorted(run_dir.iterdir()))
+        repo = next((r for r in repos if r is not None), run_dir / "no-repository")
+        try:
+            removed += [f"{run_dir.name}/{name}" for name in _remove_checkouts(repo, run_dir)]
+        except LoomError as exc:
+            log.warning("left %s in place: %s", run_dir, exc)
     return removed
 
 
@@ -78,7 +87,8 @@ def _nearest_directory(path: Path) -> Path:
 async def revision_checkouts(
     repo: Path, revisions: Mapping[Arm, str], root: Path, cwd: Path | None = None
 ) -> AsyncIterator[Checkouts]:
-    """Check out `revisions` of the repository `repo` lies in, under `root` (outside it).
+    """Check out `revisions` of the repository `repo` lies in, under `root` (outside it, and
+    this call's own: emptied and removed on the way out).
 
     Each arm runs in its worktree, or in the subdirectory `cwd` is of the repository's top, if
     `cwd` is given; that directory must exist at both revisions, not in the working tree. Only
@@ -95,7 +105,6 @@ async def revision_checkouts(
             raise LoomError(
                 ErrorCode.BAD_INPUT, f"cwd {cwd} is outside the repository {top} of the revisions"
             ) from None
-    made: list[Path] = []
     try:
         cwds: dict[Arm, Path] = {}
         commits: dict[Arm, str] = {}
@@ -103,7 +112,6 @@ async def revision_checkouts(
             worktree, commits[arm] = await anyio.to_thread.run_sync(
                 gitops.checkout_revision, top, root, arm, revisions[arm]
             )
-            made.append(worktree)
             cwds[arm] = worktree / sub
             if not cwds[arm].is_dir():
                 raise LoomError(
@@ -113,12 +121,7 @@ async def revision_checkouts(
         yield Checkouts(cwds=cwds, commits=commits)
     finally:
         with anyio.CancelScope(shield=True):
-            for worktree in made:
-                try:
-                    await anyio.to_thread.run_sync(gitops.remove_worktree, top, worktree)
-                except LoomError as exc:  # never hide the benchmark's own outcome behind this
-                    log.warning("could not remove the revision worktree %s: %s", worktree, exc)
             try:
-                Path(root).rmdir()  # only if empty: whatever else is there is not ours
-            except OSError:
-                pass
+                await anyio.to_thread.run_sync(_remove_checkouts, top, root)
+            except LoomError as exc:  # never hide the benchmark's own outcome behind this
+                log.warning("could not remove the revision checkouts in %s: %s", root, exc)
