@@ -107,6 +107,45 @@ def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
     assert torch.equal(captured, eager)
 
 
+def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
+    # batch 1 everywhere; batches up to 8 from 4096 rows (measured at 4096 and 14336 rows);
+    # 1024 x 4096 at batch 8 was twice as fast on the Triton kernel
+    assert candidate.cuda_takes_batch(1024, 1) and candidate.cuda_takes_batch(9, 1)
+    assert all(candidate.cuda_takes_batch(n, b) for n in (4096, 14336) for b in range(2, 9))
+    assert not candidate.cuda_takes_batch(1024, 2) and not candidate.cuda_takes_batch(1024, 8)
+    assert not candidate.cuda_takes_batch(4096, 9) and not candidate.cuda_takes_batch(14336, 16)
+
+
+@pytest.mark.gpu
+def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate):
+    """Batches 2-8 of a large weight run the batch-1 kernel once per row, rows after the first as
+    programmatic dependents: each row of the result is that row's batch-1 result, bit for bit,
+    eagerly and from a graph, and passes the task's check against float64."""
+    import torch
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    task = load("q4k_cuda_test_task_rows", TASK_DIR / "task.py")
+    base = load("q4k_cuda_test_base_rows", TASK_DIR / "baseline.py")
+    torch.manual_seed(0)
+    for batch, n, k in ((8, 4096, 4096), (3, 4096, 14336), (5, 4112, 1280)):
+        x, w = task.get_inputs(batch=batch, n=n, k=k)
+        x, w = x.cuda(), w.cuda()
+        want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+        for constant in (False, True):
+            got = candidate.q4k_gemv(x, w, constant_weight=constant)
+            assert task.check(got, want), (batch, n, k, constant)
+            for row in range(batch):
+                assert torch.equal(got[row], candidate.q4k_gemv(x[row : row + 1], w)[0]), (batch, n, row)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = candidate.q4k_gemv(x, w, constant_weight=True)
+        x.copy_(torch.flip(x, dims=[0]))  # new inputs in place: the replay must read them
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, candidate.q4k_gemv(x, w)), (batch, n, k)
+
+
 @pytest.mark.gpu
 def test_programmatic_dependent_launches_read_each_result(candidate, monkeypatch):
     """The model's decode chain under PDL: each kernel lets the next one start early, and each

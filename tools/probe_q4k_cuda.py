@@ -12,8 +12,8 @@ twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pd
 program's way: each call streams its weight while the one before it finishes). With
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
-one machine state. `--batch N` times batch N instead (the task's Triton kernel against one
-batch-1 CUDA launch per row). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+one machine state. `--batch N` times batch N instead (the Triton kernel, one batch-1 CUDA
+launch per row, and what q4k_gemv picks of the two). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
 candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
 place. Writes probe_q4k_cuda.json.
 """
@@ -78,8 +78,8 @@ def main() -> int:
         "--batch",
         type=int,
         default=1,
-        help="time batch N (2-8) instead: the Triton kernel the task runs there against N "
-        "launches of the batch-1 CUDA kernel, one per row of x (plain and PDL), each checked first",
+        help="time batch N (2-8) instead: the Triton kernel, N launches of the batch-1 CUDA kernel "
+        "(one per row of x, plain and PDL), and q4k_gemv's pick of the two, each checked first",
     )
     parser.add_argument(
         "--candidate",
@@ -153,7 +153,7 @@ def main() -> int:
         sets = rotating_sets(make, n * k // 256 * 144)
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
         if args.batch > 1:
-            timed = batched_entries(cand, kernel, n)
+            timed = batched_entries(cand, kernel, n, k)
             x0, w0 = sets[0]
             want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
             for name, fn in timed:
@@ -222,9 +222,10 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
     return timed
 
 
-def batched_entries(cand, kernel, n: int) -> list:
-    """At batch > 1: what the task runs (the Triton kernel), and the batch-1 CUDA kernel launched
-    once per row of x into its row of y, which reads the weight once per row."""
+def batched_entries(cand, kernel, n: int, k: int) -> list:
+    """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
+    its row of y (which reads the weight once per row), plain and as dependents, and what the
+    task's `q4k_gemv` picks between them (`cuda_takes_batch`)."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -232,8 +233,10 @@ def batched_entries(cand, kernel, n: int) -> list:
             kernel(x[i : i + 1], w, out[i : i + 1], dependent=dependent)
         return out
 
+    triton_config = cand.pick_config(n, k // 256, 8)  # a config given keeps it on Triton
     return [
-        ("triton", lambda x, w: cand.q4k_gemv(x, w)),
+        ("triton", lambda x, w: cand.q4k_gemv(x, w, config=triton_config)),
+        ("q4k_gemv", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
         ("cuda_rows", rows),
         ("cuda_rows_pdl", lambda x, w: rows(x, w, dependent=True)),
     ]

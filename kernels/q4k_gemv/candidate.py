@@ -7,9 +7,10 @@ weight at HBM speed. Two kernels:
   (`CUDA_SOURCE` below, built at first use with torch.utils.cpp_extension.load_inline; needs
   nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.6 TB/s (2.8-3.0
   TB/s launched as a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the
-  Triton kernel. Where it cannot be built, the Triton kernel runs instead.
-- Everything else (batches 2-8, AMD GPUs, the CPU interpreter): the Triton kernel, which does
-  this:
+  Triton kernel. Where it cannot be built, the Triton kernel runs instead. Batches 2-8 of
+  4096 rows or more also run on it, one launch per row of x (`cuda_takes_batch`).
+- Everything else (smaller batched weights, AMD GPUs, the CPU interpreter): the Triton kernel,
+  which does this:
 
 - The weight bytes are read as int32 words (a Q4_K block is 36 words: d|dmin, 3 words of
   packed 6-bit scales and mins, 32 words of codes), so the 128 code bytes of a block come in as
@@ -854,6 +855,23 @@ class CudaGemvB1:
 _cuda_kernels: dict[int, CudaGemvB1 | None] = {}
 
 
+# Batches the CUDA kernel takes as one launch per row, from this many weight rows up.
+CUDA_ROWS_FROM_N_ROWS = 4096
+
+
+def cuda_takes_batch(n_rows: int, batch: int) -> bool:
+    """Whether a batch runs on the batch-1 CUDA kernel (one launch per row of x) rather than the
+    batched Triton kernel. Batch 1 always does. Up to batch 8 it does from 4096 weight rows up:
+    re-reading the weight per row still beats the Triton kernel there, which is bound by its
+    arithmetic, not by memory. On the H200 (tenth session, three interleaved rounds, µs, Triton
+    against this path, whose rows after the first launch as dependents), at 4096 x 4096 /
+    14336 x 4096 / 4096 x 14336: batch 2 12.5 / 37.6 / 38.9 against 8.5 / 20.1 / 21.1; batch 4
+    19.8 / 63.5 / 57.8 against 15.8 / 39.2 / 40.9; batch 8 60.1 / 222.2 / 133.1 against
+    30.9 / 76.1 / 79.4. At 1024 x 4096 the Triton kernel stays ahead from batch 2 (6.07 against
+    6.60 µs for two launches; batch 8 12.3 against 26.4)."""
+    return batch == 1 or (batch <= MAX_BATCH_PER_PROGRAM and n_rows >= CUDA_ROWS_FROM_N_ROWS)
+
+
 def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
     """The built kernel for `device`, or None where it cannot be built here (said once on
     stderr: no nvcc or ninja, or not a Hopper GPU); LOOM_Q4K_CUDA=0 turns it off, =1 also
@@ -931,9 +949,18 @@ def q4k_gemv(
     if out.numel() == 0:
         return out
     n_blocks = k // QK_K
-    kernel = _cuda_kernel(x, weight_q4k, n_blocks) if config is None and batch == 1 and x.is_cuda else None
+    kernel = (
+        _cuda_kernel(x, weight_q4k, n_blocks)
+        if config is None and x.is_cuda and cuda_takes_batch(n_rows, batch)
+        else None
+    )
     if kernel is not None:
-        kernel(x, weight_q4k, out, dependent=constant_weight)
+        # One batch-1 launch per row of x, each reading the whole weight. Every launch after
+        # the first is a programmatic dependent of the one before it, whatever the caller
+        # promised: that one is this GEMV, which writes no weight, and it started only after
+        # everything before it in the stream had finished.
+        for row in range(batch):
+            kernel(x[row : row + 1], weight_q4k, out[row : row + 1], dependent=constant_weight or row > 0)
         return out
     config = config or pick_config(n_rows, n_blocks, batch)
     if config.method == "mma":
