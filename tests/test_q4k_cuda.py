@@ -68,7 +68,10 @@ def test_ring_depth_follows_the_shape_unless_overridden(candidate, monkeypatch):
     assert candidate.ring_slots(56) == candidate.cuda_stages(56)
     monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
     assert candidate.ring_slots(56) == candidate.ring_slots(16) == 4
-    for bad in ("0", "9", "four", "-1"):
+    monkeypatch.setenv("LOOM_Q4K_STAGES", "16:5, 56:4")
+    assert (candidate.ring_slots(16), candidate.ring_slots(56)) == (5, 4)
+    assert candidate.ring_slots(5) == candidate.cuda_stages(5)  # a shape not named keeps its own
+    for bad in ("0", "9", "four", "-1", "16:9", "x:4", "16:4,56", "16:", "4,16:9"):
         monkeypatch.setenv("LOOM_Q4K_STAGES", bad)
         with pytest.raises(ValueError, match="LOOM_Q4K_STAGES"):
             candidate.ring_slots(56)

@@ -737,14 +737,23 @@ def cuda_stages(n_blocks: int) -> int:
 
 def ring_slots(n_blocks: int) -> int:
     """The ring slots a launch uses where the kernel object does not fix them: `cuda_stages`,
-    or LOOM_Q4K_STAGES (1-8) for timing another depth in a whole program, such as the model's
-    decode. A kernel object asks once per shape (`CudaGemvB1.stages_for`)."""
+    or LOOM_Q4K_STAGES for timing other depths in a whole program, such as the model's decode:
+    one depth for every shape ("4"), or depths by Q4_K blocks per row ("16:5,56:4"; shapes not
+    named keep `cuda_stages`), each 1-8. A kernel object asks once per shape
+    (`CudaGemvB1.stages_for`)."""
     override = os.environ.get("LOOM_Q4K_STAGES", "").strip()
     if not override:
         return cuda_stages(n_blocks)
-    if not override.isdigit() or not 1 <= int(override) <= 8:
-        raise ValueError(f"LOOM_Q4K_STAGES must be a whole number from 1 to 8, not {override!r}")
-    return int(override)
+    by_blocks: dict[int, int] = {}  # key 0: every shape
+    for item in override.split(","):
+        blocks, _, depth = item.strip().rpartition(":")
+        if not depth.isdigit() or not 1 <= int(depth) <= 8 or (blocks and not blocks.isdigit()):
+            raise ValueError(
+                "LOOM_Q4K_STAGES must be a depth from 1 to 8, or blocks:depth pairs such as "
+                f"16:5,56:4, not {override!r}"
+            )
+        by_blocks[int(blocks or 0)] = int(depth)
+    return by_blocks.get(n_blocks, by_blocks.get(0) or cuda_stages(n_blocks))
 
 
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
