@@ -65,7 +65,8 @@ def test_shared_memory_plan_fits_two_ctas_for_llama_shapes(candidate):
 
 def test_ring_depth_follows_the_shape_unless_overridden(candidate, monkeypatch):
     monkeypatch.delenv("LOOM_Q4K_STAGES", raising=False)
-    assert candidate.ring_slots(56) == candidate.cuda_stages(56)
+    assert candidate.ring_slots(56) == candidate.cuda_stages(56) == 4  # the model's down projection
+    assert candidate.ring_slots(16) == candidate.cuda_stages(16) == 3
     monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
     assert candidate.ring_slots(56) == candidate.ring_slots(16) == 4
     monkeypatch.setenv("LOOM_Q4K_STAGES", "16:5, 56:4")

@@ -727,12 +727,17 @@ CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
 
 
 def cuda_stages(n_blocks: int) -> int:
-    """Ring slots per CTA: three at every Llama shape. On the H200 with the current kernel
-    (ninth session, two runs of 5-7 interleaved rounds, µs plain / PDL): K = 14336 took 12.40 / 11.97, 12.52 /
-    11.20 and 12.85 / 11.61 at 2 / 3 / 4 slots; 14336 x 4096 took 12.30 / 11.26, 12.66 / 10.84
-    and 13.15 / 10.82; 4096 x 4096 5.90 / 4.55, 5.95 / 4.58 and 6.10 / 4.66. (The kernel before
-    it was faster with four at K = 14336, plain: 12.74 against 13.38.)"""
-    return 3
+    """Ring slots per CTA: four from K = 8192 (Llama's down projection, K = 14336), three below.
+
+    Chosen in the model, where it matters: Llama-3-8B decode on the H200 (tenth session, two
+    interleaved runs each, tok/s, slots at K = 4096 / 14336): 3 / 3 555.7 and 554.7; 4 / 4 576.2
+    and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and 585.8. There the GEMV
+    launches as a programmatic dependent of a small kernel (SwiGLU before the down projection),
+    beside which its ring fills before that kernel ends: a fourth slot holds 4 of the row's 7
+    chunks by then. Back to back with another GEMV, where its CTAs can only start as the
+    other's leave, three slots were faster at K = 14336 (ninth session: 11.15 and 11.20 µs
+    against 11.55 and 11.61 under PDL), and at K = 4096 two to four slots were within 0.1 µs."""
+    return 4 if n_blocks >= 32 else 3
 
 
 def ring_slots(n_blocks: int) -> int:
