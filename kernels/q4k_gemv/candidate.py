@@ -5,7 +5,7 @@ weight at HBM speed. Two kernels:
 
 - Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores' integer MMAs
   (`CUDA_SOURCE` below, built at first use with torch.utils.cpp_extension.load_inline; needs
-  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.6 TB/s (2.8-3.0
+  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.5-2.6 TB/s (2.8-3.0
   TB/s launched as a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the
   Triton kernel. Where it cannot be built, the Triton kernel runs instead. Batches 2-8 of
   4096 rows or more also run on it, one launch per row of x (`cuda_takes_batch`).
