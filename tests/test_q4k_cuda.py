@@ -67,6 +67,11 @@ def test_ring_depth_follows_the_shape_unless_overridden(candidate, monkeypatch):
     monkeypatch.delenv("LOOM_Q4K_STAGES", raising=False)
     assert candidate.ring_slots(56) == candidate.cuda_stages(56) == 4  # the model's down projection
     assert candidate.ring_slots(16) == candidate.cuda_stages(16) == 3
+    # a fourth slot only while two CTAs still fit an SM: K = 16384 yes, K = 18944 no
+    assert candidate.cuda_stages(64) == 4 and candidate.cuda_stages(74) == 3
+    for n_blocks in (16, 32, 56, 64, 72, 74):
+        stages = candidate.cuda_stages(n_blocks)
+        assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024, n_blocks
     monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
     assert candidate.ring_slots(56) == candidate.ring_slots(16) == 4
     monkeypatch.setenv("LOOM_Q4K_STAGES", "16:5, 56:4")

@@ -724,6 +724,7 @@ void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t st
 """
 
 CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
+HOPPER_SHARED_PER_SM = 228 * 1024
 
 
 def cuda_stages(n_blocks: int) -> int:
@@ -736,8 +737,14 @@ def cuda_stages(n_blocks: int) -> int:
     beside which its ring fills before that kernel ends: a fourth slot holds 4 of the row's 7
     chunks by then. Back to back with another GEMV, where its CTAs can only start as the
     other's leave, three slots were faster at K = 14336 (ninth session: 11.15 and 11.20 µs
-    against 11.55 and 11.61 under PDL), and at K = 4096 two to four slots were within 0.1 µs."""
-    return 4 if n_blocks >= 32 else 3
+    against 11.55 and 11.61 under PDL), and at K = 4096 two to four slots were within 0.1 µs.
+
+    Four only while two CTAs still fit an SM (Hopper: 228 KB of shared memory, 1 KB of it
+    reserved per CTA), up to K = 16384: at K = 18944 (Qwen2-7B's down projection) a fourth
+    slot would leave one CTA per SM, which was much slower than two (ninth session)."""
+    if n_blocks >= 32 and 2 * (cuda_shared_bytes(n_blocks, 4) + 1024) <= HOPPER_SHARED_PER_SM:
+        return 4
+    return 3
 
 
 def ring_slots(n_blocks: int) -> int:
