@@ -233,9 +233,11 @@ def batched_entries(cand, kernel, n: int, k: int) -> list:
             kernel(x[i : i + 1], w, out[i : i + 1], dependent=dependent)
         return out
 
-    triton_config = cand.pick_config(n, k // 256, 8)  # a config given keeps it on Triton
+    def triton(x, w):  # a config given keeps q4k_gemv on its Triton kernel
+        return cand.q4k_gemv(x, w, config=cand.pick_config(n, k // 256, x.shape[0]))
+
     return [
-        ("triton", lambda x, w: cand.q4k_gemv(x, w, config=triton_config)),
+        ("triton", triton),
         ("q4k_gemv", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
         ("cuda_rows", rows),
         ("cuda_rows_pdl", lambda x, w: rows(x, w, dependent=True)),

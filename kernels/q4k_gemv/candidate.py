@@ -734,8 +734,8 @@ def cuda_stages(n_blocks: int) -> int:
     interleaved runs each, tok/s, slots at K = 4096 / 14336): 3 / 3 555.7 and 554.7; 4 / 4 576.2
     and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and 585.8. There the GEMV
     launches as a programmatic dependent of a small kernel (SwiGLU before the down projection),
-    beside which its ring fills before that kernel ends: a fourth slot holds 4 of the row's 7
-    chunks by then. Back to back with another GEMV, where its CTAs can only start as the
+    beside which its ring can fill before that kernel ends (the likely reason: a fourth slot
+    holds 4 of the row's 7 chunks by then; not profiled). Back to back with another GEMV, where its CTAs can only start as the
     other's leave, three slots were faster at K = 14336 (ninth session: 11.15 and 11.20 µs
     against 11.55 and 11.61 under PDL), and at K = 4096 two to four slots were within 0.1 µs.
 
