@@ -5,7 +5,7 @@ revisions each arm ran are reported."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -19,10 +19,10 @@ TOOL = REPO / "tools" / "model_ab.py"
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("model_ab_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/ as an import root, the way the tool itself finds kernels_campaign beside it."""
+    if str(TOOL.parent) not in sys.path:
+        sys.path.insert(0, str(TOOL.parent))
+    return importlib.import_module("model_ab")
 
 
 def namespace(**given) -> argparse.Namespace:
