@@ -12,8 +12,8 @@ twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pd
 program's way: each call streams its weight while the one before it finishes). With
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
-one machine state. `--batch N` times batch N instead (the Triton kernel, one batch-1 CUDA
-launch per row, and what q4k_gemv picks of the two). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+one machine state. `--batch N` times batch N instead (the Triton kernel, the batch-1 CUDA
+kernel launched once per row, and what q4k_gemv picks of the two). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
 candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
 place. Writes probe_q4k_cuda.json.
 """
@@ -79,7 +79,7 @@ def main() -> int:
         type=int,
         default=1,
         help="time batch N (2-8) instead: the Triton kernel, N launches of the batch-1 CUDA kernel "
-        "(one per row of x, plain and PDL), and q4k_gemv's pick of the two, each checked first",
+        "(one per row of x, the first plain or PDL), and q4k_gemv's pick of the two, each checked first",
     )
     parser.add_argument(
         "--candidate",
@@ -224,13 +224,13 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
 
 def batched_entries(cand, kernel, n: int, k: int) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
-    its row of y (which reads the weight once per row), plain and as dependents, and what the
-    task's `q4k_gemv` picks between them (`cuda_takes_batch`)."""
+    its row of y (which reads the weight once per row; the first row plain or as a dependent,
+    the others always dependents), and what the task's `q4k_gemv` picks between them
+    (`cuda_takes_batch`)."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        for i in range(x.shape[0]):
-            kernel(x[i : i + 1], w, out[i : i + 1], dependent=dependent)
+        kernel(x, w, out, dependent=dependent)
         return out
 
     def triton(x, w):  # a config given keeps q4k_gemv on its Triton kernel

@@ -735,9 +735,10 @@ def cuda_stages(n_blocks: int) -> int:
     and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and 585.8. There the GEMV
     launches as a programmatic dependent of a small kernel (SwiGLU before the down projection),
     beside which its ring can fill before that kernel ends (the likely reason: a fourth slot
-    holds 4 of the row's 7 chunks by then; not profiled). Back to back with another GEMV, where its CTAs can only start as the
-    other's leave, three slots were faster at K = 14336 (ninth session: 11.15 and 11.20 µs
-    against 11.55 and 11.61 under PDL), and at K = 4096 two to four slots were within 0.1 µs.
+    holds 4 of the row's 7 chunks by then; not profiled). Back to back with another GEMV, where
+    its CTAs can only start as the other's leave, three slots were faster at K = 14336 (ninth
+    session: 11.15 and 11.20 µs against 11.55 and 11.61 under PDL), and at K = 4096 two to four
+    slots were within 0.1 µs.
 
     Four only while two CTAs still fit an SM (Hopper: 228 KB of shared memory, 1 KB of it
     reserved per CTA), up to K = 16384: at K = 18944 (Qwen2-7B's down projection) a fourth
@@ -858,19 +859,20 @@ class CudaGemvB1:
     def __call__(
         self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor, dependent: bool = False
     ) -> None:
-        """`dependent`: launch as a programmatic dependent of the kernel before it in the
-        stream, whose weight reads then start before that kernel's writes are visible: only for
-        a weight no kernel writes (see q4k_gemv's constant_weight)."""
+        """y = x @ W.T for x [batch, K]: one launch per row of x, each reading the whole weight.
+
+        `dependent`: launch the first row as a programmatic dependent of the kernel before it in
+        the stream, whose weight reads then start before that kernel's writes are visible: only
+        for a weight no kernel writes (see q4k_gemv's constant_weight). Every later row is a
+        dependent whatever the caller says: the kernel before it is this GEMV, which writes no
+        weight, and it started only after everything before it in the stream had finished."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
-        self.module.launch(
-            weight_q4k,
-            x,
-            out,
-            self.stages_for(n_blocks),
-            self.grid(n_rows, n_blocks),
-            self.shared_bytes(n_blocks),
-            dependent and os.environ.get("LOOM_Q4K_PDL") != "0",
-        )
+        stages, grid, shared = self.stages_for(n_blocks), self.grid(n_rows, n_blocks), self.shared_bytes(n_blocks)
+        pdl = os.environ.get("LOOM_Q4K_PDL") != "0"
+        for row in range(x.shape[0]):
+            self.module.launch(
+                weight_q4k, x[row : row + 1], out[row : row + 1], stages, grid, shared, pdl and (dependent or row > 0)
+            )
 
 
 _cuda_kernels: dict[int, CudaGemvB1 | None] = {}
@@ -976,12 +978,7 @@ def q4k_gemv(
         else None
     )
     if kernel is not None:
-        # One batch-1 launch per row of x, each reading the whole weight. Every launch after
-        # the first is a programmatic dependent of the one before it, whatever the caller
-        # promised: that one is this GEMV, which writes no weight, and it started only after
-        # everything before it in the stream had finished.
-        for row in range(batch):
-            kernel(x[row : row + 1], weight_q4k, out[row : row + 1], dependent=constant_weight or row > 0)
+        kernel(x, weight_q4k, out, dependent=constant_weight)
         return out
     config = config or pick_config(n_rows, n_blocks, batch)
     if config.method == "mma":
