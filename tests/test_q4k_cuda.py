@@ -117,23 +117,47 @@ def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
 
 
 def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
-    # batch 1 everywhere; batches up to 8 from 4096 rows (measured at 4096 and 14336 rows);
-    # 1024 x 4096 at batch 8 was twice as fast on the Triton kernel
-    assert candidate.cuda_takes_batch(1024, 1) and candidate.cuda_takes_batch(9, 1)
-    assert all(candidate.cuda_takes_batch(n, b) for n in (4096, 14336) for b in range(2, 9))
-    assert not candidate.cuda_takes_batch(1024, 2) and not candidate.cuda_takes_batch(1024, 8)
-    assert not candidate.cuda_takes_batch(4096, 9) and not candidate.cuda_takes_batch(14336, 16)
+    path = candidate.cuda_path
+    # batch 1 everywhere on the batch-1 kernel
+    assert path(1024, 1, 0) == "rows" and path(9, 1, 0) == "rows"
+    # the batched kernel wherever two CTAs fit an SM (K = 4096 up to batch 5), from 1024 rows
+    assert all(path(n, b, 2) == "batched" for n in (1024, 4096, 14336) for b in range(2, 9))
+    # one CTA per SM: it lost at batch 2 (4096 x 14336) and won from batch 4
+    assert path(4096, 2, 1) == "rows" and path(4096, 3, 1) == "rows" and path(4096, 4, 1) == "batched"
+    assert path(1024, 8, 1) == "batched"
+    # where it does not fit (K = 14336 from batch 6): per-row launches from 4096 rows, else Triton
+    assert path(4096, 8, 0) == "rows" and path(14336, 6, 0) == "rows"
+    assert path(1024, 2, 0) is None and path(1024, 2, 1) is None
+    # too few rows for either measured CUDA path, or more rows of x than a program takes
+    assert path(512, 4, 2) is None
+    assert path(4096, 9, 2) is None and path(14336, 16, 0) is None
+    assert candidate.cuda_takes_batch(1024, 8) and not candidate.cuda_takes_batch(512, 2)
+    assert not candidate.cuda_takes_batch(4096, 9)
+
+
+def test_batched_shared_memory_matches_what_was_measured(candidate):
+    # the rule above was measured with these fits on an H200 (228 KB per SM, 1 KB reserved per
+    # CTA, 227 KB at most per CTA): K = 4096 holds two CTAs to batch 5, one to batch 8;
+    # K = 14336 one CTA to batch 5, none beyond
+    def per_sm(n_blocks, batch):
+        shared = candidate.cuda_batched_shared_bytes(n_blocks, batch, 3)
+        return 0 if shared > 227 * 1024 else min(2, 228 * 1024 // (shared + 1024))
+
+    assert [per_sm(16, b) for b in range(2, 9)] == [2, 2, 2, 2, 1, 1, 1]
+    assert [per_sm(56, b) for b in range(2, 9)] == [1, 1, 1, 1, 0, 0, 0]
 
 
 @pytest.mark.gpu
-def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate):
-    """Batches 2-8 of a large weight run the batch-1 kernel once per row, rows after the first as
-    programmatic dependents: each row of the result is that row's batch-1 result, bit for bit,
-    eagerly and from a graph, and passes the task's check against float64."""
+def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate, monkeypatch):
+    """Where the batched kernel does not fit (or is turned off, as here), batches 2-8 of a large
+    weight run the batch-1 kernel once per row, rows after the first as programmatic
+    dependents: each row of the result is that row's batch-1 result, bit for bit, eagerly and
+    from a graph, and passes the task's check against float64."""
     import torch
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the CUDA kernel runs on sm_90")
+    monkeypatch.setenv("LOOM_Q4K_BATCHED", "0")
     task = load("q4k_cuda_test_task_rows", TASK_DIR / "task.py")
     base = load("q4k_cuda_test_base_rows", TASK_DIR / "baseline.py")
     torch.manual_seed(0)
@@ -153,6 +177,42 @@ def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, candidate.q4k_gemv(x, w)), (batch, n, k)
+
+
+@pytest.mark.gpu
+def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
+    """The batched kernel (one launch for batches 2-8, the MMA's columns the rows of x) against
+    float64, with odd row counts, K tails, fp16, scaled x and zero sub-blocks; and from a graph."""
+    import torch
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUDA kernel runs on sm_90")
+    task = load("q4k_cuda_test_task_batched", TASK_DIR / "task.py")
+    base = load("q4k_cuda_test_base_batched", TASK_DIR / "baseline.py")
+    kernel = candidate.cuda_gemv_b1(torch.device("cuda"))
+    torch.manual_seed(0)
+    cases = [(8, 4096, 4096, "bfloat16", 1.0), (2, 4096, 14336, "bfloat16", 64.0), (3, 1024, 4096, "float16", 1e-3),
+             (5, 4112, 1280, "bfloat16", 1.0), (7, 100, 768, "float16", 1.0), (4, 300, 2048, "bfloat16", 1e4)]
+    for batch, n, k, dtype, scale in cases:
+        assert kernel.batched_fits(k // 256, batch), (batch, n, k)
+        x, w = task.get_inputs(batch=batch, n=n, k=k, dtype=dtype)
+        x, w = (x * scale).cuda(), w.cuda()
+        x[:, 64:96] = 0  # a sub-block of zeros in every row
+        want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+        got = torch.empty_like(want)
+        kernel.batched(x, w, got)
+        assert task.check(got, want), (batch, n, k, dtype, scale)
+        if candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch)) == "batched":
+            # q4k_gemv picks this kernel here: the same launch, the same bits
+            assert torch.equal(candidate.q4k_gemv(x, w), got), (batch, n, k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.batched(x, w, got, dependent=True)
+    x.copy_(torch.flip(x, dims=[0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+    assert task.check(got, want)
 
 
 @pytest.mark.gpu
@@ -283,3 +343,26 @@ def test_gpu_session_packs_what_the_device_would_not_return(tmp_path, files, pac
     with tarfile.open(out / "session.tgz") as archive:
         names = sorted(n.removeprefix("./") for n in archive.getnames() if archive.getmember(n).isfile())
     assert names == sorted(f"phase{i % 3}/sub/f{i}.txt" for i in range(files))
+
+
+@pytest.mark.parametrize("no_math", [False, True])
+def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_path, no_math):
+    # tools/timeline_q4k_gemv.py edits the kernel's text at fixed places; a kernel change that
+    # moves one must fail here, not on the GPU machine
+    sys.path.insert(0, str(REPO / "tools"))
+    timeline = load("q4k_timeline_tool", REPO / "tools" / "timeline_q4k_gemv.py")
+    source = timeline.instrument(candidate.CUDA_SOURCE, no_math)
+    assert source.count("= now_ns()") == 7  # start, issue, x readable, x prepared, arrive, done, end
+    assert ("if (b < 0) {" in source) == no_math
+    with pytest.raises(SystemExit, match="anchor"):
+        timeline.instrument(candidate.CUDA_SOURCE.replace("griddepcontrol.wait", "griddepcontrol_wait"), no_math)
+    if shutil.which("nvcc") is None:
+        return
+    (tmp_path / "timeline.cu").write_text(source)
+    build = subprocess.run(
+        ["nvcc", "-c", "-arch=sm_90", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "t.o"), str(tmp_path / "timeline.cu")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", build.stderr + build.stdout)]
+    assert spills and not any(spills), build.stderr

@@ -20,6 +20,8 @@
 #               Triton against one CUDA launch per row; CUDA_VARIANTS,
 #               CUDA_ROUNDS, CUDA_TIMEOUT: see tools/probe_q4k_cuda.py --help)
 #   ncu         Nsight Compute on that kernel ($NCU_SHAPE, default 14336x4096): where warps stall
+#   timeline    that kernel CTA by CTA from the global timer, with and without its arithmetic
+#               ($TIMELINE_SHAPES, default 14336x4096,4096x14336,4096x4096)
 #   stream      the streaming floors of that kernel's producer/consumer structure (no arithmetic)
 #   attention   the model's decode attention, variants against RoPE + SDPA
 #   kernels     the roofline table of every kernel task
@@ -67,6 +69,8 @@ case "$phase" in
       ${CUDA_AGAINST:+--against $CUDA_AGAINST} ${CUDA_CANDIDATE:+--candidate $CUDA_CANDIDATE} ${CUDA_BATCH:+--batch $CUDA_BATCH} 2>&1 | grep -v Warn | tail -24 ;;
   ncu)
     timeout 400 python3 tools/ncu_q4k_gemv.py --out "$out" --shape "${NCU_SHAPE:-14336x4096}" 2>&1 | grep -v Warn | tail -45 ;;
+  timeline)
+    timeout 400 python3 tools/timeline_q4k_gemv.py --out "$out" ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | grep -v Warn | tail -30 ;;
   stream)
     OUT="$out" timeout 300 python3 tools/stream_floor_cuda.py 2>&1 | grep -v Warn | tail -40 ;;
   attention)

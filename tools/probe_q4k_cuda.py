@@ -103,7 +103,9 @@ def main() -> int:
         return 1
     variants = {}
     for spec in filter(None, args.variants.split(",")):
-        stages, per_sm, min_ctas, cluster = (int(v) for v in (spec.split(":") + ["2", "0"])[:4])
+        fields = spec.split(":")
+        # defaults by position: min_ctas 2, no cluster
+        stages, per_sm, min_ctas, cluster = (int(v) for v in (fields + ["0", "0", "2", "0"][len(fields) :])[:4])
         # a cluster size only where one is asked for: older candidates lack the setting
         extra = {"cluster": cluster} if cluster else {}
         variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}" + (f"_x{cluster}" if cluster else "")] = cand.CudaGemvB1(
@@ -153,7 +155,7 @@ def main() -> int:
         sets = rotating_sets(make, n * k // 256 * 144)
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
         if args.batch > 1:
-            timed = batched_entries(cand, kernel, n, k)
+            timed = batched_entries(cand, kernel, n, k, args.batch)
             x0, w0 = sets[0]
             want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
             for name, fn in timed:
@@ -222,7 +224,7 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
     return timed
 
 
-def batched_entries(cand, kernel, n: int, k: int) -> list:
+def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
     the others always dependents), and what the task's `q4k_gemv` picks between them
@@ -236,12 +238,20 @@ def batched_entries(cand, kernel, n: int, k: int) -> list:
     def triton(x, w):  # a config given keeps q4k_gemv on its Triton kernel
         return cand.q4k_gemv(x, w, config=cand.pick_config(n, k // 256, x.shape[0]))
 
-    return [
+    def batched(x, w, dependent=False):  # one launch for every row of x, where it fits
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        kernel.batched(x, w, out, dependent=dependent)
+        return out
+
+    entries = [
         ("triton", triton),
         ("q4k_gemv", lambda x, w: cand.q4k_gemv(x, w, constant_weight=True)),
         ("cuda_rows", rows),
         ("cuda_rows_pdl", lambda x, w: rows(x, w, dependent=True)),
     ]
+    if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
+        entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
+    return entries
 
 
 def summary(result: dict) -> str:
