@@ -122,8 +122,8 @@ def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
     assert path(1024, 1, 0) == "rows" and path(9, 1, 0) == "rows"
     # the batched kernel wherever two CTAs fit an SM (K = 4096 up to batch 5), from 1024 rows
     assert all(path(n, b, 2) == "batched" for n in (1024, 4096, 14336) for b in range(2, 9))
-    # one CTA per SM: it lost at batch 2 (4096 x 14336) and won from batch 4
-    assert path(4096, 2, 1) == "rows" and path(4096, 3, 1) == "rows" and path(4096, 4, 1) == "batched"
+    # one CTA per SM: it lost at batch 2 (4096 x 14336) and won from batch 3
+    assert path(4096, 2, 1) == "rows" and path(4096, 3, 1) == "batched" and path(4096, 4, 1) == "batched"
     assert path(1024, 8, 1) == "batched"
     # where it does not fit (K = 14336 from batch 6): per-row launches from 4096 rows, else Triton
     assert path(4096, 8, 0) == "rows" and path(14336, 6, 0) == "rows"

@@ -238,9 +238,9 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     def triton(x, w):  # a config given keeps q4k_gemv on its Triton kernel
         return cand.q4k_gemv(x, w, config=cand.pick_config(n, k // 256, x.shape[0]))
 
-    def batched(x, w, dependent=False):  # one launch for every row of x, where it fits
+    def batched(x, w, dependent=False, stages=3):  # one launch for every row of x, where it fits
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        kernel.batched(x, w, out, dependent=dependent)
+        kernel.batched(x, w, out, dependent=dependent, stages=stages)
         return out
 
     entries = [
@@ -251,6 +251,15 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     ]
     if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
         entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
+    # two ring slots where that lets a second CTA onto each SM (K = 14336, batches 2-3)
+    if (
+        hasattr(kernel, "batched_ctas_per_sm")
+        and kernel.batched_ctas_per_sm(k // 256, batch, 2) > kernel.batched_ctas_per_sm(k // 256, batch)
+    ):
+        entries += [
+            ("cuda_batched_s2", lambda x, w: batched(x, w, stages=2)),
+            ("cuda_batched_s2_pdl", lambda x, w: batched(x, w, dependent=True, stages=2)),
+        ]
     return entries
 
 

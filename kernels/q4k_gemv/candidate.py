@@ -10,10 +10,10 @@ weight at HBM speed. Two kernels:
   Triton kernel. Where it cannot be built, the Triton kernel runs instead.
 - Batches 2-8 from 1024 weight rows, on NVIDIA Hopper: a second CUDA kernel with the same
   producer and ring whose MMA columns are the rows of x, so one launch reads the weight once
-  for the whole batch (2.0-3.0x faster than one batch-1 launch per row at batch 8). Where x of
-  the batch leaves too little shared memory (K = 14336 from batch 6; batches 2-3 there, where
-  one CTA per SM was slower), batches of 4096 rows or more run the batch-1 kernel once per row
-  of x (`cuda_path`).
+  for the whole batch (2.1-2.9x faster than one batch-1 launch per row at batch 8). Where x of
+  the batch leaves too little shared memory (K = 14336 from batch 6; batch 2 there, where one
+  CTA per SM was slower), batches of 4096 rows or more run the batch-1 kernel once per row of
+  x (`cuda_path`).
 - Everything else (smaller weights at batch 2-8, AMD GPUs, the CPU interpreter): the Triton
   kernel, which does this:
 
@@ -1027,6 +1027,9 @@ def ring_slots(n_blocks: int) -> int:
     return by_blocks.get(n_blocks, by_blocks.get(0) or cuda_stages(n_blocks))
 
 
+CUDA_BATCHED_STAGES = 3  # ring slots of the batched kernel
+
+
 def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int) -> int:
     """Dynamic shared memory of one CTA of the batched kernel: the same ring, x as bytes and
     its scales and sums for every row of x, two sets of cross-warp sums for 8 rows of x, a line
@@ -1101,7 +1104,7 @@ class CudaGemvB1:
                 raise RuntimeError(f"could not allow {self.max_shared} bytes of shared memory")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.per_sm: dict[int, int] = {}
-        self.batched_per_sm: dict[tuple[int, int], int] = {}
+        self.batched_per_sm: dict[tuple[int, int, int], int] = {}
         self.stages_by_blocks: dict[int, int] = {}
 
     def stages_for(self, n_blocks: int) -> int:
@@ -1128,32 +1131,37 @@ class CudaGemvB1:
         resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
         return -(-tiles // -(-tiles // resident))
 
-    def batched_ctas_per_sm(self, n_blocks: int, batch: int) -> int:
-        """CTAs of the batched kernel an SM holds at this K and batch (3 slots); 0: none fits."""
+    def batched_ctas_per_sm(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
+        """CTAs of the batched kernel an SM holds at this K, batch and ring depth; 0: none fits."""
         if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
             return 0
-        key = (n_blocks, batch)
+        key = (n_blocks, batch, stages)
         if key not in self.batched_per_sm:
-            shared = cuda_batched_shared_bytes(n_blocks, batch, 3)
+            shared = cuda_batched_shared_bytes(n_blocks, batch, stages)
             fits = shared <= self.max_shared
             self.batched_per_sm[key] = int(self.module.resident_batched(shared)) if fits else 0
         return self.batched_per_sm[key]
 
-    def batched_fits(self, n_blocks: int, batch: int) -> bool:
-        """Whether the batched kernel's shared memory fits a CTA at this K and batch (3 slots)."""
-        return self.batched_ctas_per_sm(n_blocks, batch) > 0
+    def batched_fits(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> bool:
+        """Whether the batched kernel's shared memory fits a CTA at this K, batch and ring depth."""
+        return self.batched_ctas_per_sm(n_blocks, batch, stages) > 0
 
     def batched(
-        self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor, dependent: bool = False
+        self,
+        x: torch.Tensor,
+        weight_q4k: torch.Tensor,
+        out: torch.Tensor,
+        dependent: bool = False,
+        stages: int = CUDA_BATCHED_STAGES,
     ) -> None:
         """Batches 2-8 in one launch that reads the weight once (`batched_fits` first)."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
-        shared = cuda_batched_shared_bytes(n_blocks, x.shape[0], 3)
+        shared = cuda_batched_shared_bytes(n_blocks, x.shape[0], stages)
         tiles = -(-n_rows // CUDA_ROWS)
-        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, x.shape[0]), 1)
+        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, x.shape[0], stages), 1)
         grid = -(-tiles // -(-tiles // resident))
         self.module.launch_batched(
-            weight_q4k, x, out, 3, grid, shared, dependent and os.environ.get("LOOM_Q4K_PDL") != "0"
+            weight_q4k, x, out, stages, grid, shared, dependent and os.environ.get("LOOM_Q4K_PDL") != "0"
         )
 
     def __call__(
@@ -1197,15 +1205,18 @@ def cuda_path(n_rows: int, batch: int, batched_ctas_per_sm: int) -> str | None:
     24.30 / 5.77); batch 4: 15.90 / 38.88 / 40.52 / 12.57 against 10.57 / 21.60 / 32.50 / 7.75
     (PDL 9.48 / 19.78 / 31.50 / 7.70); batch 8: 31.08 / 76.33 / - / 12.41 against 14.61 / 26.22 /
     - / 11.79 (PDL 13.54 / 25.29 / - / 10.79). At K = 14336, x of batch 2 leaves room for one
-    CTA per SM, and there the batched kernel lost; batch 4 still won with one; batch 8 does not
-    fit. Per-row launches beat the Triton kernel from 4096 rows (tenth session: batch 8 at 4096 x
-    4096 30.9 against 60.1 µs) but not at 1024 x 4096 (26.4 against 12.3)."""
+    CTA per SM, and there the batched kernel lost (also with two ring slots, which let two CTAs
+    in: 23.49, PDL 22.22); from batch 3 it won with one (4096 x 14336, per row against batched,
+    PDL: batch 3 30.34 against 27.33, batch 5 49.20 against 34.35); from batch 6 it does not
+    fit. Batches 6 and 7 at K = 4096 (one CTA per SM) won too: 4096 x 4096 batch 7 26.98
+    against 12.38. Per-row launches beat the Triton kernel from 4096 rows (tenth session: batch
+    8 at 4096 x 4096 30.9 against 60.1 µs) but not at 1024 x 4096 (26.4 against 12.3)."""
     if batch == 1:
         return "rows"
     if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
         return None
     if n_rows >= CUDA_BATCHED_FROM_N_ROWS and (
-        batched_ctas_per_sm >= 2 or (batched_ctas_per_sm == 1 and batch >= 4)
+        batched_ctas_per_sm >= 2 or (batched_ctas_per_sm == 1 and batch >= 3)
     ):
         return "batched"
     return "rows" if n_rows >= CUDA_ROWS_FROM_N_ROWS else None
