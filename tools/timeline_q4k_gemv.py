@@ -45,6 +45,7 @@ RECORD = DONE + 8 * MAX_ITEMS
 DECLARATIONS = r"""
 __device__ unsigned long long* g_timeline;
 __device__ int g_timeline_seen[9 * 4096];  // per (CTA, warp): launches so far
+__device__ unsigned long long* g_timeline_producer[4096];  // per CTA: its record, for produce()
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -82,11 +83,8 @@ INSERTIONS = [
     rec[0] = ((unsigned long long)sm << 32) | blockIdx.x;
     rec[1] = t_start;
   }}
+  if (warp == WARPS && lane == 0) g_timeline_producer[blockIdx.x] = rec;  // for produce()
 """,
-    ),
-    (
-        "      if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);\n",
-        f"      if (lane == 0 && i < {MAX_ITEMS}) rec[{ISSUE} + i] = now_ns();\n",
     ),
     (
         'asm volatile("griddepcontrol.wait;" ::: "memory");\n',
@@ -112,6 +110,11 @@ def instrument(source: str, no_math: bool) -> str:
     head, out, tail = source[:begin], source[begin:end], source[end:]
     at = once(head, "typedef unsigned short u16;\n")
     head = head[:at] + DECLARATIONS + head[at:]
+    # the producer's issues, in the ring's shared producer function (the batched kernel calls
+    # it too, but is never launched here)
+    at = once(head, "    if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);\n")
+    issue = f"    if (lane == 0 && i < {MAX_ITEMS}) g_timeline_producer[blockIdx.x][{ISSUE} + i] = now_ns();\n"
+    head = head[:at] + issue + head[at:]
     for anchor, insert in INSERTIONS:
         at = once(out, anchor)
         out = out[:at] + insert + out[at:]

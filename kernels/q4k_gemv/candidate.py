@@ -433,6 +433,39 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
   return h;
 }
 
+// A line of zeros (what non-feeding lanes give the MMA as x) and the ring's barriers: `full`
+// completes when a slot's bytes have landed, `empty` when every consumer warp has released it.
+__device__ __forceinline__ void ring_init(unsigned char* zero_line, u32 full, u32 empty, int stages, int tid) {
+  if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
+  if (tid < stages) {
+    bar_init(full + 8 * tid, 1);
+    bar_init(empty + 8 * tid, WARPS);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+}
+
+// The producer warp: streams the CTA's (tile, chunk) items through the ring of `stages` slots,
+// one bulk copy per row (lanes 0-15), each slot refilled once its consumers have released it.
+__device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int n_rows, int n_blocks, int items,
+                                        int n_chunks, int stages, u32 ring, u32 full, u32 empty, int lane) {
+  const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
+  for (int i = 0, slot = 0, round = 0; i < items; ++i) {
+    const int chunk = i % n_chunks;
+    const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
+    if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
+    const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
+    if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
+    __syncwarp();
+    if (lane < ROWS) {
+      const int row = min(tile * ROWS + lane, n_rows - 1);
+      bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
+                bytes, full + 8 * slot);
+    }
+    if (++slot == stages) slot = 0, ++round;
+  }
+}
+
 // Persistent CTAs of 8 consumer warps and one producer warp. CTA c takes the 16-row tiles
 // c, c + gridDim.x, ...; a tile streams through a ring of `stages` chunks of 16 rows x 8 blocks.
 // The producer moves each chunk as 16 bulk copies of one row's 1152 contiguous bytes
@@ -464,30 +497,10 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   // Let the next kernel start (if launched as a programmatic dependent, it waits for this
   // one's results itself): under PDL its set-up overlaps this kernel.
   asm volatile("griddepcontrol.launch_dependents;");
-  if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
-  if (tid < stages) {
-    bar_init(full + 8 * tid, 1);
-    bar_init(empty + 8 * tid, WARPS);
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  __syncthreads();
+  ring_init(zero_line, full, empty, stages, tid);
 
   if (warp == WARPS) {  // the producer
-    const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
-    for (int i = 0, slot = 0, round = 0; i < items; ++i) {
-      const int chunk = i % n_chunks;
-      const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
-      if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
-      const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
-      if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
-      __syncwarp();
-      if (lane < ROWS) {
-        const int row = min(tile * ROWS + lane, n_rows - 1);
-        bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
-                  bytes, full + 8 * slot);
-      }
-      if (++slot == stages) slot = 0, ++round;
-    }
+    produce(W, n_rows, n_blocks, items, n_chunks, stages, ring, full, empty, lane);
     return;
   }
 
@@ -740,30 +753,10 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const u32 full = shared_addr(zero_line + 64), empty = full + 8 * stages;
 
   asm volatile("griddepcontrol.launch_dependents;");
-  if (tid < 16) reinterpret_cast<u32*>(zero_line)[tid] = 0u;
-  if (tid < stages) {
-    bar_init(full + 8 * tid, 1);
-    bar_init(empty + 8 * tid, WARPS);
-  }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  __syncthreads();
+  ring_init(zero_line, full, empty, stages, tid);
 
-  if (warp == WARPS) {  // the producer: as at batch 1
-    const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
-    for (int i = 0, slot = 0, round = 0; i < items; ++i) {
-      const int chunk = i % n_chunks;
-      const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
-      if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
-      const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
-      if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
-      __syncwarp();
-      if (lane < ROWS) {
-        const int row = min(tile * ROWS + lane, n_rows - 1);
-        bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
-                  bytes, full + 8 * slot);
-      }
-      if (++slot == stages) slot = 0, ++round;
-    }
+  if (warp == WARPS) {  // the producer, as at batch 1
+    produce(W, n_rows, n_blocks, items, n_chunks, stages, ring, full, empty, lane);
     return;
   }
 
