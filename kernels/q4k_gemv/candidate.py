@@ -433,6 +433,48 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
   return h;
 }
 
+// Eight values of x (raw: 16 bytes, bf16 or fp16), one lane's quarter of a 32-value sub-block
+// whose other quarters are in the lanes l ^ 1, l ^ 2, l ^ 3, as int16 split into signed high
+// and unsigned low bytes: per sub-block a power-of-two scale puts max |x| in [2^13, 2^14), and
+// x = unscale * (256 hi + lo). Also the sub-block's float sum of x (for the min term).
+struct XBytes {
+  u32 hi[2], lo[2];
+  float unscale, sum;
+};
+__device__ __forceinline__ XBytes x_as_bytes(U4 raw, int x_is_bf16) {
+  const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float v[8], biggest = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = to_float(words[i >> 1], i & 1, x_is_bf16);
+    biggest = fmaxf(biggest, fabsf(v[i]));
+  }
+  biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 1));
+  biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 2));
+  const int e = (__float_as_uint(biggest) >> 23) & 0xFF;
+  // 2^(140 - e) as an exponent field, kept normal both ways; a sub-block below 2^-99 rounds
+  // coarser, and inf or NaN zeroes the bytes (its sum, below, carries it)
+  const int field = min(max(267 - e, 14), 240);
+  const float scale = e == 255 ? 0.f : __uint_as_float((u32)field << 23);
+  XBytes out;
+  out.unscale = __uint_as_float((u32)(254 - field) << 23);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    int q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // round to nearest int: 1.5 * 2^23 puts it in the low bits
+      q[i] = __float_as_int(fmaf(v[4 * half + i], scale, 12582912.f)) - 0x4B400000;
+    const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
+    out.lo[half] = __byte_perm(p01, p23, 0x5410);
+    out.hi[half] = __byte_perm(p01, p23, 0x7632);
+  }
+  float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+  out.sum = sum;
+  return out;
+}
+
 // A line of zeros (what non-feeding lanes give the MMA as x) and the ring's barriers: `full`
 // completes when a slot's bytes have landed, `empty` when every consumer warp has released it.
 __device__ __forceinline__ void ring_init(unsigned char* zero_line, u32 full, u32 empty, int stages, int tid) {
@@ -534,39 +576,11 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
       for (int k = 0; k < 8; ++k) {
         if (first + k >= my_blocks) break;
         const int b = warp + WARPS * (first + k);
-        const u32 words[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-        float v[8], biggest = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          v[i] = to_float(words[i >> 1], i & 1, x_is_bf16);
-          biggest = fmaxf(biggest, fabsf(v[i]));
-        }
-        biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 1));
-        biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 2));
-        const int e = (__float_as_uint(biggest) >> 23) & 0xFF;
-        // 2^(140 - e) as an exponent field, kept normal both ways; a sub-block below 2^-99
-        // rounds coarser, and inf or NaN zeroes the bytes (its sum, below, carries it)
-        const int field = min(max(267 - e, 14), 240);
-        const float scale = e == 255 ? 0.f : __uint_as_float((u32)field << 23);
-        const float unscale = __uint_as_float((u32)(254 - field) << 23);
-        u32 lo_words[2], hi_words[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          int q[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)  // round to nearest int: 1.5 * 2^23 puts it in the low bits
-            q[i] = __float_as_int(fmaf(v[4 * half + i], scale, 12582912.f)) - 0x4B400000;
-          const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
-          lo_words[half] = __byte_perm(p01, p23, 0x5410);
-          hi_words[half] = __byte_perm(p01, p23, 0x7632);
-        }
-        float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+        const XBytes xb = x_as_bytes(raw[k], x_is_bf16);
         unsigned char* sub = xs + (b * 8 + s) * 64 + part * 8;
-        *reinterpret_cast<uint2*>(sub) = make_uint2(hi_words[0], hi_words[1]);
-        *reinterpret_cast<uint2*>(sub + 32) = make_uint2(lo_words[0], lo_words[1]);
-        if (part == 0) meta[b * 8 + s] = make_float2((s & 1) ? unscale * 0.0625f : unscale, sum);
+        *reinterpret_cast<uint2*>(sub) = make_uint2(xb.hi[0], xb.hi[1]);
+        *reinterpret_cast<uint2*>(sub + 32) = make_uint2(xb.lo[0], xb.lo[1]);
+        if (part == 0) meta[b * 8 + s] = make_float2((s & 1) ? xb.unscale * 0.0625f : xb.unscale, xb.sum);
       }
     }
   }
@@ -698,19 +712,25 @@ int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memo
 
 // `dependent`: launch with programmatic stream serialization, so the grid may start before
 // the previous kernel in the stream ends (it waits for it before touching x and y).
-bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
-                        cudaStream_t stream) {
+static cudaLaunchConfig_t launch_config(int grid, int shared_bytes, int dependent, cudaStream_t stream,
+                                        cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3((WARPS + 1) * 32);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
+  attribute->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute->val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
   config.numAttrs = dependent ? 1 : 0;
+  return config;
+}
+
+bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
+                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+                        cudaStream_t stream) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = launch_config(grid, shared_bytes, dependent, stream, &attribute);
   return cudaLaunchKernelEx(&config, q4k_gemv_b1_kernel, static_cast<const unsigned char*>(W),
                             static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
                             x_is_bf16, stages) == cudaSuccess;
@@ -769,36 +789,10 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     for (int n = 0; n < batch; ++n) {
       for (int b = warp; b < n_blocks; b += WARPS) {
         const U4 raw = *reinterpret_cast<const U4*>(x + (long long)n * K + b * 256 + s * 32 + part * 8);
-        const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-        float v[8], biggest = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          v[i] = to_float(words[i >> 1], i & 1, x_is_bf16);
-          biggest = fmaxf(biggest, fabsf(v[i]));
-        }
-        biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 1));
-        biggest = fmaxf(biggest, __shfl_xor_sync(0xFFFFFFFFu, biggest, 2));
-        const int e = (__float_as_uint(biggest) >> 23) & 0xFF;
-        const int field = min(max(267 - e, 14), 240);
-        const float scale = e == 255 ? 0.f : __uint_as_float((u32)field << 23);
-        const float unscale = __uint_as_float((u32)(254 - field) << 23);
-        u32 lo_words[2], hi_words[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          int q[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            q[i] = __float_as_int(fmaf(v[4 * half + i], scale, 12582912.f)) - 0x4B400000;
-          const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
-          lo_words[half] = __byte_perm(p01, p23, 0x5410);
-          hi_words[half] = __byte_perm(p01, p23, 0x7632);
-        }
-        float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+        const XBytes xb = x_as_bytes(raw, x_is_bf16);
         const int at = (b * 8 + s) * batch + n;
-        *reinterpret_cast<U4*>(xs + at * 64 + part * 16) = U4{hi_words[0], hi_words[1], lo_words[0], lo_words[1]};
-        if (part == 0) meta[at] = make_float2((s & 1) ? unscale * 0.0625f : unscale, sum);
+        *reinterpret_cast<U4*>(xs + at * 64 + part * 16) = U4{xb.hi[0], xb.hi[1], xb.lo[0], xb.lo[1]};
+        if (part == 0) meta[at] = make_float2((s & 1) ? xb.unscale * 0.0625f : xb.unscale, xb.sum);
       }
     }
   }
@@ -918,16 +912,8 @@ int q4k_gemv_bn_resident(int shared_bytes) {
 bool q4k_gemv_bn_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks, int batch,
                         int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
                         cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3((WARPS + 1) * 32);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
   cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
+  const cudaLaunchConfig_t config = launch_config(grid, shared_bytes, dependent, stream, &attribute);
   return cudaLaunchKernelEx(&config, q4k_gemv_bn_kernel, static_cast<const unsigned char*>(W),
                             static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks, batch,
                             x_is_bf16, stages) == cudaSuccess;
