@@ -366,3 +366,28 @@ def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_pa
     assert build.returncode == 0, build.stderr
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", build.stderr + build.stdout)]
     assert spills and not any(spills), build.stderr
+
+
+def test_timeline_summary_of_a_recorded_h200_run():
+    """tools/timeline_q4k_gemv.py's summary on records from an H200 (one replay, three chained
+    PDL launches at 14336 x 4096, times shifted to start near zero): the kernel as it is against
+    the same kernel without its arithmetic."""
+    np = pytest.importorskip("numpy")
+    sys.path.insert(0, str(REPO / "tools"))
+    timeline = load("q4k_timeline_summary", REPO / "tools" / "timeline_q4k_gemv.py")
+    records = np.load(REPO / "tests" / "fixtures" / "timeline" / "q4k_gemv_h200_14336x4096.npz")
+    kept = timeline.summarize(records["kept_14336x4096_pdl"], 8)
+    bare = timeline.summarize(records["no_math_14336x4096_pdl"], 8)
+    assert records["kept_14336x4096_pdl"].shape == (1, 3, 224, timeline.RECORD)
+    for s in (kept, bare):
+        # under PDL every CTA starts before the launch before it ends, and reads x only after
+        assert s["first_start_us"] < s["last_start_us"] < 0 < s["x_readable_median_us"]
+        assert s["x_readable_median_us"] < s["x_prepared_median_us"] <= s["first_arrival_median_us"]
+        assert s["last_arrival_us"] <= s["last_done_us"] <= s["launch_us"]
+        assert s["cta_end_quantiles_us"] == sorted(s["cta_end_quantiles_us"])
+        assert s["cta_end_quantiles_us"][-1] == s["launch_us"]  # the one middle launch
+    # what the arithmetic costs in this run: 1.6 us of launch (the last chunk 1.0 us later, the
+    # tail after it 0.5 us longer), and each chunk waits longer for its slowest warp
+    assert kept["launch_us"] - bare["launch_us"] > 1.0
+    assert kept["tail_us"] > bare["tail_us"] + 0.3
+    assert kept["done_after_arrival_median_us"] > bare["done_after_arrival_median_us"] + 0.3
