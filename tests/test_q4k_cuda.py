@@ -273,6 +273,18 @@ def test_cuda_probe_describes_itself():
     assert "--candidate" in result.stdout and "--against" in result.stdout and "--batch" in result.stdout
 
 
+def test_cuda_probe_variants_take_their_defaults_by_position():
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "tools"))
+    probe = load("q4k_cuda_probe_variants", REPO / "tools" / "probe_q4k_cuda.py")
+    assert probe.parse_variant("3:2") == (3, 2, 2, 0)
+    assert probe.parse_variant("3:2:3") == (3, 2, 3, 0)  # min_ctas given, still no cluster
+    assert probe.parse_variant("0:0:2:2") == (0, 0, 2, 2)
+    for bad in ("3", "3:2:3:2:1", "a:2", "3:-1"):
+        with pytest.raises(ValueError, match="stages:ctas_per_sm"):
+            probe.parse_variant(bad)
+
+
 def test_stream_floor_pieces_cover_each_weight_exactly_once():
     """tools/stream_floor_cuda.py times reads of the GEMV's bytes cut in pieces; every layout it
     times must cover each shape's Q4_K matrix exactly, or its floor means nothing."""

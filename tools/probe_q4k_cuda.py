@@ -48,6 +48,16 @@ CHECKED = [
 ]
 
 
+def parse_variant(spec: str) -> tuple[int, int, int, int]:
+    """`stages:ctas_per_sm[:min_ctas[:cluster]]` -> the four numbers; fields left out take
+    their defaults by position (min_ctas 2, no cluster)."""
+    fields = spec.split(":")
+    if not 2 <= len(fields) <= 4 or not all(field.isdigit() for field in fields):
+        raise ValueError(f"a variant is stages:ctas_per_sm[:min_ctas[:cluster]], not {spec!r}")
+    stages, per_sm, min_ctas, cluster = (int(v) for v in fields + ["0", "0", "2", "0"][len(fields) :])
+    return stages, per_sm, min_ctas, cluster
+
+
 def stressed(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "times64":
         return x * 64
@@ -103,9 +113,7 @@ def main() -> int:
         return 1
     variants = {}
     for spec in filter(None, args.variants.split(",")):
-        fields = spec.split(":")
-        # defaults by position: min_ctas 2, no cluster
-        stages, per_sm, min_ctas, cluster = (int(v) for v in (fields + ["0", "0", "2", "0"][len(fields) :])[:4])
+        stages, per_sm, min_ctas, cluster = parse_variant(spec)
         # a cluster size only where one is asked for: older candidates lack the setting
         extra = {"cluster": cluster} if cluster else {}
         variants[f"cuda_s{stages}_c{per_sm}_m{min_ctas}" + (f"_x{cluster}" if cluster else "")] = cand.CudaGemvB1(
