@@ -85,3 +85,14 @@ def test_one_task_through_the_real_server(tmp_path):
     assert f"| silu_mul | {row['verdict']} |" in md and row["submission_id"] in md
     assert f"| silu_mul | {row['verdict']} |" in done.stdout
     assert (out / "loom_report" / "report.md").is_file()
+
+
+def test_progress_keeps_messages_and_thins_heartbeats():
+    lines = load_tool().ProgressLines(every_s=10.0)
+    # per-second heartbeats from the server's job runner: the first, then one per 10 s
+    shown = [t for t in range(25) if lines.wanted(f"baseline run 2/5: running {t + 1}.0 s", float(t))]
+    assert shown == [0, 10, 20]
+    # anything else always shows, heartbeats or not around it
+    assert lines.wanted("pair 2/5 done (11.9/11.6 s): decode_tokens_per_s 590.6 -> 587.7", 21.0)
+    assert lines.wanted("compiling", 21.5)
+    assert not lines.wanted("candidate run 3/5: running 3.0 s", 22.0)

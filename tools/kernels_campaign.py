@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import pprint
+import re
 import shutil
 import subprocess
 import sys
@@ -190,11 +191,35 @@ class ToolFailed(RuntimeError):
     pass
 
 
+HEARTBEAT = re.compile(r"running \d+(\.\d+)? s$")  # the server's once-a-second "still running"
+HEARTBEAT_EVERY_S = 10.0
+
+
+class ProgressLines:
+    """Which progress messages reach stderr: all of them, except the server's per-second
+    heartbeats, of which one in HEARTBEAT_EVERY_S seconds (a log of a 10-minute run stays
+    readable, and a stuck run still shows it is alive)."""
+
+    def __init__(self, every_s: float = HEARTBEAT_EVERY_S) -> None:
+        self.every_s = every_s
+        self.last = float("-inf")
+
+    def wanted(self, message: str, now: float) -> bool:
+        if not HEARTBEAT.search(message):
+            return True
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        return True
+
+
 async def call(
     client, tool: str, args: dict[str, Any], timeout: float | None = None, prefix: str = ""
 ) -> dict:
+    lines = ProgressLines()
+
     async def on_progress(progress, total, message):
-        if message:
+        if message and lines.wanted(message, time.monotonic()):
             say(f"    {prefix}… {message}")
 
     result = await client.call_tool(
