@@ -135,6 +135,16 @@ def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
     assert not candidate.cuda_takes_batch(4096, 9)
 
 
+def test_persistent_grid_gives_every_cta_the_same_tiles(candidate):
+    # 132 SMs x 2 CTAs: 896 tiles (14336 rows) go to 224 CTAs, four each; 256 tiles to 256
+    assert candidate.balanced_grid(14336, 264) == 224
+    assert candidate.balanced_grid(4096, 264) == 256
+    assert candidate.balanced_grid(100, 264) == 7  # a tile each
+    for rows in (1024, 4096, 4112, 14336, 28672):
+        tiles, grid = -(-rows // 16), candidate.balanced_grid(rows, 264)
+        assert grid <= 264 and -(-tiles // grid) == -(-tiles // 264)
+
+
 def test_batched_shared_memory_matches_what_was_measured(candidate):
     # the rule above was measured with these fits on an H200 (228 KB per SM, 1 KB reserved per
     # CTA, 227 KB at most per CTA): K = 4096 holds two CTAs to batch 5, one to batch 8;

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import pprint
-import re
 import shutil
 import subprocess
 import sys
@@ -191,7 +190,6 @@ class ToolFailed(RuntimeError):
     pass
 
 
-HEARTBEAT = re.compile(r"running \d+(\.\d+)? s$")  # the server's once-a-second "still running"
 HEARTBEAT_EVERY_S = 10.0
 
 
@@ -201,11 +199,14 @@ class ProgressLines:
     readable, and a stuck run still shows it is alive)."""
 
     def __init__(self, every_s: float = HEARTBEAT_EVERY_S) -> None:
+        from loom_mcp.sandbox.runner import HEARTBEAT  # the format, where the server makes it
+
+        self.heartbeat = HEARTBEAT
         self.every_s = every_s
         self.last = float("-inf")
 
     def wanted(self, message: str, now: float) -> bool:
-        if not HEARTBEAT.search(message):
+        if not self.heartbeat.search(message):
             return True
         if now - self.last < self.every_s:
             return False

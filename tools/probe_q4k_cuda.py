@@ -13,7 +13,7 @@ program's way: each call streams its weight while the one before it finishes). W
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
 one machine state. `--batch N` times batch N instead (the Triton kernel, the batch-1 CUDA
-kernel launched once per row, and what q4k_gemv picks of the two). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+kernel launched once per row, the batched CUDA kernel, and what q4k_gemv picks). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
 candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
 place. Writes probe_q4k_cuda.json.
 """
@@ -89,7 +89,8 @@ def main() -> int:
         type=int,
         default=1,
         help="time batch N (2-8) instead: the Triton kernel, N launches of the batch-1 CUDA kernel "
-        "(one per row of x, the first plain or PDL), and q4k_gemv's pick of the two, each checked first",
+        "(one per row of x, the first plain or PDL), the batched CUDA kernel (plain and PDL, where it "
+        "fits), and q4k_gemv's pick, each checked first",
     )
     parser.add_argument(
         "--candidate",
@@ -235,8 +236,9 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
 def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
-    the others always dependents), and what the task's `q4k_gemv` picks between them
-    (`cuda_takes_batch`)."""
+    the others always dependents), the batched CUDA kernel where it fits (and with two ring
+    slots where only that fits two CTAs per SM), and what the task's `q4k_gemv` picks
+    (`cuda_path`)."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -246,9 +248,9 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     def triton(x, w):  # a config given keeps q4k_gemv on its Triton kernel
         return cand.q4k_gemv(x, w, config=cand.pick_config(n, k // 256, x.shape[0]))
 
-    def batched(x, w, dependent=False, stages=3):  # one launch for every row of x, where it fits
+    def batched(x, w, dependent=False, **ring):  # one launch for every row of x, where it fits
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        kernel.batched(x, w, out, dependent=dependent, stages=stages)
+        kernel.batched(x, w, out, dependent=dependent, **ring)
         return out
 
     entries = [

@@ -98,46 +98,42 @@ INSERTIONS = [
 ]
 
 
-def instrument(source: str, no_math: bool) -> str:
-    def once(text: str, anchor: str) -> int:
-        if text.count(anchor) != 1:
-            raise SystemExit(f"anchor found {text.count(anchor)} times, not once: {anchor!r}")
-        return text.index(anchor) + len(anchor)
+def insert(text: str, anchor: str, addition: str, before: str = "") -> str:
+    """`addition` placed right after `anchor`, or where `before` (the anchor's tail) begins;
+    the anchor must occur exactly once: a kernel change that moves one stops the tool."""
+    if text.count(anchor) != 1:
+        raise SystemExit(f"anchor found {text.count(anchor)} times, not once: {anchor!r}")
+    at = text.index(anchor) + len(anchor) - len(before)
+    return text[:at] + addition + text[at:]
 
+
+def instrument(source: str, no_math: bool) -> str:
     # only the batch-1 kernel is instrumented: cut it out, edit it, put it back
     begin = source.index("q4k_gemv_b1_kernel(const")
     end = source.index("\n}\n", begin) + 3
     head, out, tail = source[:begin], source[begin:end], source[end:]
-    at = once(head, "typedef unsigned short u16;\n")
-    head = head[:at] + DECLARATIONS + head[at:]
+    head = insert(head, "typedef unsigned short u16;\n", DECLARATIONS)
     # the producer's issues, in the ring's shared producer function (the batched kernel calls
     # it too, but is never launched here)
-    at = once(head, "    if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);\n")
-    issue = f"    if (lane == 0 && i < {MAX_ITEMS}) g_timeline_producer[blockIdx.x][{ISSUE} + i] = now_ns();\n"
-    head = head[:at] + issue + head[at:]
-    for anchor, insert in INSERTIONS:
-        at = once(out, anchor)
-        out = out[:at] + insert + out[at:]
-    # x prepared: after the warp's x loop, before the main loop's comment
-    at = once(out, "  __syncwarp();\n\n  // Lane (g, t)") - len("\n  // Lane (g, t)")
-    out = out[:at] + "  if (tid == 0) rec[3] = now_ns();\n" + out[at:]
-    # each warp done with a chunk: just before the ring position moves on
-    anchor = "      if (++slot == stages) slot = 0, ++round;\n    }\n\n    // This tile's rows"
-    at = once(out, anchor) - len(anchor)
-    out = (
-        out[:at]
-        + f"      if (lane == 0 && item < {MAX_ITEMS}) rec[{DONE} + warp * {MAX_ITEMS} + item] = now_ns();\n"
-        + out[at:]
+    head = insert(
+        head,
+        "    if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);\n",
+        f"    if (lane == 0 && i < {MAX_ITEMS}) g_timeline_producer[blockIdx.x][{ISSUE} + i] = now_ns();\n",
     )
+    for anchor, addition in INSERTIONS:
+        out = insert(out, anchor, addition)
+    # x prepared: after the warp's x loop, before the main loop's comment
+    tail_of_x = "\n  // Lane (g, t)"
+    out = insert(out, "  __syncwarp();\n" + tail_of_x, "  if (tid == 0) rec[3] = now_ns();\n", before=tail_of_x)
+    # each warp done with a chunk: just before the ring position moves on
+    moves_on = "      if (++slot == stages) slot = 0, ++round;\n    }\n\n    // This tile's rows"
+    done = f"      if (lane == 0 && item < {MAX_ITEMS}) rec[{DONE} + warp * {MAX_ITEMS} + item] = now_ns();\n"
+    out = insert(out, moves_on, done, before=moves_on)
     # the CTA's end: after the last tile's rows are written (thread 0 writes one of them)
-    anchor = "      y[row] = from_float(total, x_is_bf16);\n    }\n  }\n"
-    at = once(out, anchor)
-    out = out[:at] + "  if (tid == 0) rec[4] = now_ns();\n" + out[at:]
-    if no_math:
-        at = once(out, "      if (b < n_blocks) {\n        const u32 block = ring")
-        out = out.replace(
-            "      if (b < n_blocks) {\n        const u32 block = ring", "      if (b < 0) {\n        const u32 block = ring"
-        )
+    out = insert(out, "      y[row] = from_float(total, x_is_bf16);\n    }\n  }\n", "  if (tid == 0) rec[4] = now_ns();\n")
+    if no_math:  # the consumers release each chunk untouched
+        taken = "      if (b < n_blocks) {\n        const u32 block = ring"
+        out = insert(out, taken, "", before=taken).replace(taken, taken.replace("b < n_blocks", "b < 0"))
     return head + out + tail + HOST
 
 

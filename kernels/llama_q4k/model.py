@@ -45,8 +45,8 @@ from kernels.q4k_gemv.candidate import q4k_gemv
 from kernels.rmsnorm.candidate import rmsnorm
 from kernels.silu_mul.candidate import silu_mul
 
-# Up to 8 rows the q4k_gemv candidate (its CUDA kernel once per row at 4096 weight rows and up,
-# its Triton kernel, which reads the weight once for all rows, otherwise); past that, prefill.
+# Up to 8 rows the q4k_gemv candidate (on Hopper its CUDA kernels, `cuda_path`; its Triton
+# kernel otherwise); past that, prefill.
 GEMV_MAX_ROWS = 8
 
 

@@ -1009,31 +1009,36 @@ def ring_slots(n_blocks: int) -> int:
 CUDA_BATCHED_STAGES = 3  # ring slots of the batched kernel
 
 
-def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA of the batched kernel: the same ring, x as bytes and
-    its scales and sums for every row of x, two sets of cross-warp sums for 8 rows of x, a line
-    of zeros and the ring's barriers."""
+def _shared_bytes(n_blocks: int, stages: int, x_rows: int, sum_rows: int) -> int:
+    """Dynamic shared memory of one CTA of either kernel: the ring of chunks (16 rows x 1152
+    bytes, rows padded by 16); x as bytes (64 B) and its scale and sum (8 B) per sub-block and
+    row of x; two sets of cross-warp partial sums for `sum_rows` rows of x; a line of zeros; the
+    ring's full and empty barriers."""
     return (
         stages * CUDA_ROWS * (8 * BLOCK_BYTES + 16)
-        + n_blocks * 8 * batch * (64 + 8)
-        + 2 * CUDA_WARPS * CUDA_ROWS * MAX_BATCH_PER_PROGRAM * 4
+        + n_blocks * 8 * x_rows * (64 + 8)
+        + 2 * CUDA_WARPS * CUDA_ROWS * sum_rows * 4
         + 64
         + 2 * stages * 8
     )
+
+
+def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int) -> int:
+    """The batched kernel's: x for every row, partial sums laid out for 8 rows of x."""
+    return _shared_bytes(n_blocks, stages, batch, MAX_BATCH_PER_PROGRAM)
 
 
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
-    """Dynamic shared memory of one CTA: the ring of chunks (16 rows x 1152 bytes, rows padded
-    by 16), x as bytes and its per-sub-block scales and sums, two sets of cross-warp partial sums, a line
-    of zeros and the ring's full and empty barriers."""
-    return (
-        stages * CUDA_ROWS * (8 * BLOCK_BYTES + 16)
-        + n_blocks * 512
-        + n_blocks * 64
-        + 2 * CUDA_WARPS * CUDA_ROWS * 4
-        + 64
-        + 2 * stages * 8
-    )
+    """The batch-1 kernel's."""
+    return _shared_bytes(n_blocks, stages, 1, 1)
+
+
+def balanced_grid(n_rows: int, resident: int) -> int:
+    """CTAs of a persistent grid: at most `resident`, and no more than it takes to give each the
+    same number of 16-row tiles (896 tiles on 264 resident CTAs would leave 104 of them a
+    fourth tile to do alone at the end; 224 CTAs do four each)."""
+    tiles = -(-n_rows // CUDA_ROWS)
+    return -(-tiles // -(-tiles // resident))
 
 
 class CudaGemvB1:
@@ -1103,12 +1108,8 @@ class CudaGemvB1:
         return self.per_sm[n_blocks]
 
     def grid(self, n_rows: int, n_blocks: int) -> int:
-        """The persistent grid: at most every SM full of resident CTAs, and no more CTAs than
-        it takes to give each the same number of 16-row tiles (896 tiles on 264 resident
-        CTAs would leave 104 of them a fourth tile to do alone at the end)."""
-        tiles = -(-n_rows // CUDA_ROWS)
-        resident = self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1))
-        return -(-tiles // -(-tiles // resident))
+        """The persistent grid over every SM full of resident CTAs (`balanced_grid`)."""
+        return balanced_grid(n_rows, self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1)))
 
     def batched_ctas_per_sm(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
         """CTAs of the batched kernel an SM holds at this K, batch and ring depth; 0: none fits."""
@@ -1136,9 +1137,7 @@ class CudaGemvB1:
         """Batches 2-8 in one launch that reads the weight once (`batched_fits` first)."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
         shared = cuda_batched_shared_bytes(n_blocks, x.shape[0], stages)
-        tiles = -(-n_rows // CUDA_ROWS)
-        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, x.shape[0], stages), 1)
-        grid = -(-tiles // -(-tiles // resident))
+        grid = balanced_grid(n_rows, self.sms * max(self.batched_ctas_per_sm(n_blocks, x.shape[0], stages), 1))
         self.module.launch_batched(
             weight_q4k, x, out, stages, grid, shared, dependent and os.environ.get("LOOM_Q4K_PDL") != "0"
         )
@@ -1202,9 +1201,9 @@ def cuda_path(n_rows: int, batch: int, batched_ctas_per_sm: int) -> str | None:
 
 
 def cuda_takes_batch(n_rows: int, batch: int) -> bool:
-    """Whether a batch may run on a CUDA kernel at all (before asking how the batched kernel
-    fits): batch 1, and batches up to 8 from CUDA_BATCHED_FROM_N_ROWS weight rows."""
-    return batch == 1 or (batch <= MAX_BATCH_PER_PROGRAM and n_rows >= CUDA_BATCHED_FROM_N_ROWS)
+    """Whether a batch may run on a CUDA kernel at all, before the kernel is built to ask how
+    the batched kernel fits: `cuda_path` with the best fit."""
+    return cuda_path(n_rows, batch, batched_ctas_per_sm=2) is not None
 
 
 def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,14 @@ ProgressCallback = Callable[[str], Awaitable[None]]
 
 MAX_RESULT_BYTES = 64 << 20
 PROGRESS_EVERY_S = 1.0
+# The heartbeat a running job sends every PROGRESS_EVERY_S; callers that relay it may prefix it
+# ("baseline run 2/5: running 3.0 s"), so clients that thin it out match its end.
+HEARTBEAT = re.compile(r"running \d+(\.\d+)? s$")
+
+
+def heartbeat(elapsed_s: float) -> str:
+    return f"running {elapsed_s:.1f} s"
+
 # After the worker's tree is gone its pipes reach EOF at once; this only bounds the odd case
 # of a descendant that escaped the tree and kept a pipe open.
 _DRAIN_S = 2.0
@@ -126,7 +135,7 @@ async def _progress(callback: ProgressCallback, start: float) -> None:
     while True:
         await anyio.sleep(PROGRESS_EVERY_S)
         try:
-            await callback(f"running {time.monotonic() - start:.1f} s")
+            await callback(heartbeat(time.monotonic() - start))
         except Exception:
             # A failing progress sink must not take the job down with it.
             log.exception("progress callback failed")
