@@ -328,8 +328,9 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights its loop is 186 warp instructions (SASS), against about 1,060 for
-# the Triton kernel (8.3 thread instructions per weight):
+# Per 16 rows x 256 weights its loop is 171 warp instructions with 8 integer MMAs (SASS of nvcc
+# 13.0's build, cuobjdump), against about 1,060 for the Triton kernel (8.3 thread instructions
+# per weight):
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
@@ -337,13 +338,15 @@ def q4k_gemv_mma_kernel(
 # - Codes stay bytes: one AND per four codes (`w & 0x0F0F0F0F` gives q, `w & 0xF0F0F0F0` gives
 #   16 q) makes the A operand of an integer `mma.sync.m16n8k32`: no per-weight arithmetic.
 # - x becomes integers once per call: per 32-value sub-block, a power of two scales it to
-#   int16 (max |x| in [2^13, 2^14)), stored as a signed high byte and an unsigned low byte.
-#   Two MMAs per code word pair (against each byte) sum q * x exactly in int32; bf16
+#   int16 (max |x| in [2^13, 2^14)), stored as two signed bytes, x = 256 hi + lo; bf16
 #   activations keep all their bits down to 2^-7 of their sub-block's largest, smaller ones
 #   round at 2^-14 of it, and the scale is undone in fp32 with the block's scales.
-# - B's column n holds x of sub-block n only (zeros elsewhere), so one MMA chain per block
-#   gives every (row, sub-block) sum at once, and each lane holds exactly the sub-blocks whose
-#   scales it decodes.
+# - B's columns 2c and 2c + 1 hold the high and the low bytes of x of one sub-block of chunk c
+#   (zeros elsewhere): one chain of MMAs on the low nibbles gives every (row, even sub-block)
+#   sum of both bytes, one on the high nibbles every odd one, exactly in int32, and each lane
+#   holds exactly the sub-blocks whose scales it decodes. Eight MMAs per block; the twelfth
+#   session's kernel had the two bytes in separate chains (sixteen, and an unsigned low byte)
+#   and was 0.8-2.1 % slower under PDL at every Llama shape, with the same bits.
 # - An earlier version fed fp16 `1024 + q` codes to `m16n8k16` (two codes per LOP3 plus a
 #   shift per word): 236 instructions per block and 6-13 % slower on the H200.
 CUDA_SOURCE = r"""
@@ -401,13 +404,18 @@ __device__ __forceinline__ float byte_to_float(u32 word, u32 selector) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, selector)) - 8388608.f;
 }
 
+__device__ __forceinline__ u32 opaque(u32 v) {  // a value the compiler must keep, not rebuild
+  asm volatile("" : "+r"(v));
+  return v;
+}
 __device__ __forceinline__ float half_to_float(u16 h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
 // D = A (16x32, u8 codes) * B (32x8, bytes of x) + C, int32 accumulate: exact. One wrapper
-// per type of x's bytes: s8 (the signed high bytes) and u8 (the low bytes).
+// per type of x's bytes: s8 (the batch-1 kernel's, and the batched kernel's high bytes) and u8
+// (the batched kernel's low bytes).
 #define MMA_BYTES(name, x_type)                                                                    \
   __device__ __forceinline__ void name(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) { \
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8." x_type ".s32 {%0,%1,%2,%3}, "       \
@@ -434,13 +442,15 @@ __device__ __forceinline__ u16 from_float(float v, int x_is_bf16) {
 }
 
 // Eight values of x (raw: 16 bytes, bf16 or fp16), one lane's quarter of a 32-value sub-block
-// whose other quarters are in the lanes l ^ 1, l ^ 2, l ^ 3, as int16 split into signed high
-// and unsigned low bytes: per sub-block a power-of-two scale puts max |x| in [2^13, 2^14), and
-// x = unscale * (256 hi + lo). Also the sub-block's float sum of x (for the min term).
+// whose other quarters are in the lanes l ^ 1, l ^ 2, l ^ 3, as int16 split into a signed high
+// byte and a low byte: per sub-block a power-of-two scale puts max |x| in [2^13, 2^14), and
+// x = unscale * (256 hi + lo), lo signed (SignedLow, in [-128, 128), hi then in [-64, 64]) or
+// unsigned. Also the sub-block's float sum of x (for the min term).
 struct XBytes {
   u32 hi[2], lo[2];
   float unscale, sum;
 };
+template <bool SignedLow>
 __device__ __forceinline__ XBytes x_as_bytes(U4 raw, int x_is_bf16) {
   const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
   float v[8], biggest = 0.f;
@@ -461,11 +471,13 @@ __device__ __forceinline__ XBytes x_as_bytes(U4 raw, int x_is_bf16) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     int q[4];
+    // round to nearest int: 1.5 * 2^23 puts it in the low bits; signed, 128 more, so that
+    // q + 128 = 256 hi + r with r in [0, 256), and lo = r - 128 is r with its top bit flipped
+    const float magic = SignedLow ? 12583040.f : 12582912.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)  // round to nearest int: 1.5 * 2^23 puts it in the low bits
-      q[i] = __float_as_int(fmaf(v[4 * half + i], scale, 12582912.f)) - 0x4B400000;
+    for (int i = 0; i < 4; ++i) q[i] = __float_as_int(fmaf(v[4 * half + i], scale, magic)) - 0x4B400000;
     const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
-    out.lo[half] = __byte_perm(p01, p23, 0x5410);
+    out.lo[half] = __byte_perm(p01, p23, 0x5410) ^ (SignedLow ? 0x80808080u : 0u);
     out.hi[half] = __byte_perm(p01, p23, 0x7632);
   }
   float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
@@ -514,10 +526,11 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int
 // (cp.async.bulk, counted on the slot's `full` barrier); consumer warp w computes block w of
 // every chunk (blocks w, w + 8, ... of the rows, whose x it prepares once) and releases the
 // slot on its `empty` barrier, so no warp waits for the others except once per tile.
-// Per block, sixteen m16n8k32 MMAs (two code words per row and lane, each nibble half against
-// each byte of x): column n of B holds x of sub-block n only, so D[r][n] is sub-block n's sum
-// of q x for row r, and lane (g, t) ends up holding rows g, g+8 for sub-blocks 2t, 2t+1: the
-// scales it needs are its own chunk's.
+// Per block, eight m16n8k32 MMAs (two code words per row and lane; the low nibbles against the
+// even sub-blocks' x, the high nibbles against the odd ones'): columns 2c and 2c + 1 of B hold
+// the high and low bytes of x of one sub-block of chunk c only, so lane (g, t) ends up holding
+// both bytes' sums for rows g, g+8 and sub-blocks 2t, 2t+1: the scales it needs are its own
+// chunk's.
 __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
 q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
             int n_rows, int n_blocks, int x_is_bf16, int stages) {
@@ -555,8 +568,8 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   // x of this warp's blocks, while the weights are in flight, as integers: per sub-block a
   // power-of-two scale puts max |x| in [2^13, 2^14), each value is rounded to an int16 there
   // (bf16 keeps all its bits down to 2^-7 of the sub-block's largest value; the rest round at
-  // 2^-14 of it), and the int16 is stored as a signed high byte and an unsigned low byte, so
-  // the MMAs run on bytes: x = unscale * (256 hi + lo). Sub-block layout (64 B): the 32 high
+  // 2^-14 of it), and the int16 is stored as two signed bytes, so the MMAs run on bytes:
+  // x = unscale * (256 hi + lo). Sub-block layout (64 B): the 32 high
   // bytes in order, then the 32 low bytes. The per-sub-block float sum of x serves the min
   // term. Lane l takes values 8 (l % 4) .. + 7 of sub-block l / 4; eight blocks' loads are in
   // flight at once (every block of a warp up to K = 16384). On the H200 that was 0.5-4 % faster
@@ -576,7 +589,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
       for (int k = 0; k < 8; ++k) {
         if (first + k >= my_blocks) break;
         const int b = warp + WARPS * (first + k);
-        const XBytes xb = x_as_bytes(raw[k], x_is_bf16);
+        const XBytes xb = x_as_bytes<true>(raw[k], x_is_bf16);
         unsigned char* sub = xs + (b * 8 + s) * 64 + part * 8;
         *reinterpret_cast<uint2*>(sub) = make_uint2(xb.hi[0], xb.hi[1]);
         *reinterpret_cast<uint2*>(sub + 32) = make_uint2(xb.lo[0], xb.lo[1]);
@@ -586,14 +599,17 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   }
   __syncwarp();
 
-  // Lane (g, t) with g>>1 == t holds sub-block g of each block (low nibbles when g is even,
-  // high when odd); every other lane holds zeros. The feeding lane gives the same registers
-  // to both chains: in the other chain they land in column g, which that chain never reports.
+  // Lane (g, t) with g>>1 == t feeds column g of B: the high bytes (g even) or the low bytes
+  // (g odd) of x of sub-block 2t to the low-nibble chain and of sub-block 2t + 1 to the
+  // high-nibble chain, each 32 bytes 64 apart; every other lane feeds zeros. The lane's
+  // constants stay in registers (opaque): left to itself the compiler rebuilt them in every
+  // pass of the loop, ten instructions per block.
   const bool feeds = (g >> 1) == t;
-  const u32 x_base = feeds ? shared_addr(xs) + g * 64 : shared_addr(zero_line);
-  const u32 x_step = feeds ? 512u : 0u;
+  const u32 x_base = opaque(feeds ? shared_addr(xs) + (g >> 1) * 128 + (g & 1) * 32 : shared_addr(zero_line));
+  const u32 x_step = opaque(feeds ? 512u : 0u), x_odd = opaque(feeds ? 64u : 0u);
   const int bsel = (2 * t) & 3;  // byte of the packed 6-bit scale word for sub-block 2t
-  const u32 pick_even = 0x7540u | bsel, pick_odd = 0x7540u | (bsel + 1);  // see byte_to_float
+  const u32 pick_even = opaque(0x7540u | bsel), pick_odd = opaque(0x7540u | (bsel + 1));  // see byte_to_float
+  const u32 codes_g = opaque(g * ROW_STRIDE + 16 + 32 * t), meta_t = opaque(2 * t);
 
   int slot = 0, round = 0;  // of the ring, as the producer counts them
   for (int tile_iter = 0; tile_iter < my_tiles; ++tile_iter) {
@@ -605,42 +621,39 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         const u32 block = ring + slot * SLOT_BYTES + warp * BLOCK_BYTES;
         const u32 row_g = block + g * ROW_STRIDE, row_g8 = block + (g + 8) * ROW_STRIDE;
         const U4 head_g = lds128(row_g), head_g8 = lds128(row_g8);
-        U4 q[4];
-        q[0] = lds128(row_g + 16 + 32 * t);
-        q[1] = lds128(row_g + 32 + 32 * t);
-        q[2] = lds128(row_g8 + 16 + 32 * t);
-        q[3] = lds128(row_g8 + 32 + 32 * t);
+        U4 q[4];  // this lane's 32 code bytes (chunk t) of rows g and g + 8
+        q[0] = lds128(block + codes_g);
+        q[1] = lds128(block + codes_g + 16);
+        q[2] = lds128(block + codes_g + 8 * ROW_STRIDE);
+        q[3] = lds128(block + codes_g + 8 * ROW_STRIDE + 16);
         __syncwarp();
         if (lane == 0) bar_arrive(empty + 8 * slot);  // the codes are in registers now
-        U4 xv[4];  // this lane's sub-block of x, high then low bytes (or zeros): B fragments
+        U4 xv[4];  // B fragments: this lane's bytes of x, sub-block 2t then 2t + 1 (or zeros)
         const u32 x_at = x_base + b * x_step;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) xv[k] = lds128(x_at + 16 * k);
-        const float2 m0 = meta[b * 8 + 2 * t];
-        const float2 m1 = meta[b * 8 + 2 * t + 1];
+        for (int k = 0; k < 4; ++k) xv[k] = lds128(x_at + (k >> 1) * x_odd + 16 * (k & 1));
+        const float2 m0 = meta[b * 8 + meta_t];
+        const float2 m1 = meta[b * 8 + meta_t + 1];
 
-        // Per MMA, two code words of each row: low nibbles (q, masked in place) for the even
-        // sub-block, high nibbles (16 q) for the odd; against x's high bytes and low bytes:
-        // four chains, summed exactly in int32. The low-nibble chains report the even columns,
-        // the high ones the odd.
-        int lo_hi[4] = {}, lo_lo[4] = {}, hi_hi[4] = {}, hi_lo[4] = {};
+        // Per MMA, two code words of each row: the low nibbles (q, masked in place) against
+        // the even sub-blocks' x, the high nibbles (16 q) against the odd ones'. Column 2t of
+        // each chain sums against the high bytes, column 2t + 1 against the low bytes.
+        int even[4] = {}, odd[4] = {};
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           // words 2m and 2m + 1 of this lane's codes in rows g and g + 8, and of x's bytes
           const u32 g_0 = (&q[m >> 1].x)[2 * (m & 1)], g_1 = (&q[m >> 1].x)[2 * (m & 1) + 1];
           const u32 g8_0 = (&q[2 + (m >> 1)].x)[2 * (m & 1)], g8_1 = (&q[2 + (m >> 1)].x)[2 * (m & 1) + 1];
-          const u32 xh0 = (&xv[m >> 1].x)[2 * (m & 1)], xh1 = (&xv[m >> 1].x)[2 * (m & 1) + 1];
-          const u32 xl0 = (&xv[2 + (m >> 1)].x)[2 * (m & 1)], xl1 = (&xv[2 + (m >> 1)].x)[2 * (m & 1) + 1];
+          const u32 xe0 = (&xv[m >> 1].x)[2 * (m & 1)], xe1 = (&xv[m >> 1].x)[2 * (m & 1) + 1];
+          const u32 xo0 = (&xv[2 + (m >> 1)].x)[2 * (m & 1)], xo1 = (&xv[2 + (m >> 1)].x)[2 * (m & 1) + 1];
           // A's registers: row g, row g + 8 (k 4t..4t+3), then the same rows for k 16+4t..
           const u32 l0 = g_0 & 0x0F0F0F0Fu, l1 = g8_0 & 0x0F0F0F0Fu, l2 = g_1 & 0x0F0F0F0Fu, l3 = g8_1 & 0x0F0F0F0Fu;
           const u32 h0 = g_0 & 0xF0F0F0F0u, h1 = g8_0 & 0xF0F0F0F0u, h2 = g_1 & 0xF0F0F0F0u, h3 = g8_1 & 0xF0F0F0F0u;
-          mma_signed(lo_hi, l0, l1, l2, l3, xh0, xh1);
-          mma_unsigned(lo_lo, l0, l1, l2, l3, xl0, xl1);
-          mma_signed(hi_hi, h0, h1, h2, h3, xh0, xh1);
-          mma_unsigned(hi_lo, h0, h1, h2, h3, xl0, xl1);
+          mma_signed(even, l0, l1, l2, l3, xe0, xe1);
+          mma_signed(odd, h0, h1, h2, h3, xo0, xo1);
         }
-        const float c[4] = {(float)(lo_hi[0] * 256 + lo_lo[0]), (float)(hi_hi[1] * 256 + hi_lo[1]),
-                            (float)(lo_hi[2] * 256 + lo_lo[2]), (float)(hi_hi[3] * 256 + hi_lo[3])};
+        const float c[4] = {(float)(even[0] * 256 + even[1]), (float)(odd[0] * 256 + odd[1]),
+                            (float)(even[2] * 256 + even[3]), (float)(odd[2] * 256 + odd[3])};
 
         // d * sc and dmin * m for rows g, g+8 and sub-blocks 2t, 2t+1
         float dsc[4], dmm[4];
@@ -789,7 +802,7 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     for (int n = 0; n < batch; ++n) {
       for (int b = warp; b < n_blocks; b += WARPS) {
         const U4 raw = *reinterpret_cast<const U4*>(x + (long long)n * K + b * 256 + s * 32 + part * 8);
-        const XBytes xb = x_as_bytes(raw, x_is_bf16);
+        const XBytes xb = x_as_bytes<false>(raw, x_is_bf16);
         const int at = (b * 8 + s) * batch + n;
         *reinterpret_cast<U4*>(xs + at * 64 + part * 16) = U4{xb.hi[0], xb.hi[1], xb.lo[0], xb.lo[1]};
         if (part == 0) meta[at] = make_float2((s & 1) ? xb.unscale * 0.0625f : xb.unscale, xb.sum);
