@@ -392,8 +392,8 @@ def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_pa
 
 def test_timeline_summary_of_a_recorded_h200_run():
     """tools/timeline_q4k_gemv.py's summary on records from an H200 (one replay, three chained
-    PDL launches at 14336 x 4096, times shifted to start near zero): the kernel as it is against
-    the same kernel without its arithmetic."""
+    PDL launches at 14336 x 4096, times shifted to start near zero, SM ids as recorded): the
+    kernel as it is against the same kernel without its arithmetic."""
     np = pytest.importorskip("numpy")
     sys.path.insert(0, str(REPO / "tools"))
     timeline = load("q4k_timeline_summary", REPO / "tools" / "timeline_q4k_gemv.py")
@@ -413,3 +413,12 @@ def test_timeline_summary_of_a_recorded_h200_run():
     assert kept["launch_us"] - bare["launch_us"] > 1.0
     assert kept["tail_us"] > bare["tail_us"] + 0.3
     assert kept["done_after_arrival_median_us"] > bare["done_after_arrival_median_us"] + 0.3
+    # Where it costs: 224 CTAs cover at most the 132 SMs, some SMs run one CTA of the launch and
+    # others two, and with the arithmetic a CTA sharing its SM ends 1.8 us after one alone
+    # (0.5 us without): the consumers' issue slots, not the stream, set the pace.
+    for s in (kept, bare):
+        assert s["sms_used"] <= 132 and 0 < s["alone_on_sm_ctas"] < 224
+        assert s["late_start_ctas"] == 0  # every CTA of the middle launch started 0.7 us or more early
+    sharing_cost = kept["shared_sm_end_median_us"] - kept["alone_on_sm_end_median_us"]
+    assert sharing_cost > 1.5
+    assert sharing_cost > bare["shared_sm_end_median_us"] - bare["alone_on_sm_end_median_us"] + 1.0

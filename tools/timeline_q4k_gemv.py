@@ -19,7 +19,8 @@ Prints, per variant, shape and launch mode, medians over the middle launches of 
 the launch's length (its last CTA end after the previous launch's), when the first and last
 CTA start, when the last chunk arrives, and the tail after it (last CTA end - last arrival);
 per CTA the median arrival gap between chunks and the time its consumers spend after their
-last chunk arrives. Writes timeline.json (the summaries) and timeline.npz (every record).
+last chunk arrives; how many SMs the launch's CTAs cover, and when the CTAs end that started
+late (as the launch before ended) or early, and that had an SM to themselves or shared it. Writes timeline.json (the summaries) and timeline.npz (every record).
 """
 
 from __future__ import annotations
@@ -222,6 +223,21 @@ def summarize(records: np.ndarray, n_items: int) -> dict:
             # from a chunk's arrival (seen by warp 0) to the last warp done with it
             add("done_after_arrival_median_us", np.nanmedian(done - arrive) / 1e3)
             add("done_after_arrival_p90_us", np.nanquantile(done - arrive, 0.9) / 1e3)
+            # Who ends last. Under PDL a CTA starts as one of the launch before leaves its slot:
+            # the late starters (within 0.5 us of that launch's end, or after) stream their whole
+            # share once everyone else has a ring full. And the grid rarely covers every SM evenly:
+            # a CTA with its SM to itself (of this launch's CTAs) gets the SM's issue slots alone.
+            end = (rec[:, 4] - t0) / 1e3
+            late = rec[:, 1] - t0 >= -500
+            sm = records[r, j, :, 0].astype(np.int64) >> 32
+            _, which, per_sm = np.unique(sm, return_inverse=True, return_counts=True)
+            alone = per_sm[which] == 1
+            add("sms_used", len(per_sm))
+            add("late_start_ctas", int(late.sum()))
+            add("alone_on_sm_ctas", int(alone.sum()))
+            for key, mask in (("late_start", late), ("early_start", ~late), ("alone_on_sm", alone), ("shared_sm", ~alone)):
+                if mask.any():
+                    add(f"{key}_end_median_us", np.median(end[mask]))
     summary = {key: round(statistics.median(values), 3) for key, values in rows.items()}
     # CTA starts and ends as quantiles, in the middle launch of the first replay
     rec, prev = records[0, launches // 2], records[0, launches // 2 - 1]
