@@ -5,7 +5,7 @@ weight at HBM speed. Two kernels:
 
 - Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores' integer MMAs
   (`CUDA_SOURCE` below, built at first use with torch.utils.cpp_extension.load_inline; needs
-  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.5-2.6 TB/s (2.8-3.0
+  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.6 TB/s (2.9-3.1
   TB/s launched as a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the
   Triton kernel. Where it cannot be built, the Triton kernel runs instead.
 - Batches 2-8 from 1024 weight rows, on NVIDIA Hopper: a second CUDA kernel with the same
