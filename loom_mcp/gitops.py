@@ -1063,6 +1063,33 @@ def repository_root(path: Path) -> Path:
     return Path(os.path.realpath(_out(res)))
 
 
+def head_commit(path: Path) -> str | None:
+    """The full sha HEAD names in the repository `path` lies in (None before the first commit)."""
+    return _ref_sha(repository_root(path), "HEAD")
+
+
+def uncommitted_paths(path: Path) -> list[str]:
+    """Repo-relative paths of the repository `path` lies in whose working-tree content is not
+    HEAD's: tracked files edited or deleted, and untracked files git does not ignore. What a run
+    at HEAD's commit leaves out. Reads the repository and the changed files only (the content
+    is hashed as `git add` would store it), and writes nothing."""
+    info = _open_repo(repository_root(path))
+    if _ref_sha(info.top, "HEAD") is None:
+        return []  # no commit yet: nothing to compare with
+    candidates = _changed_paths(info, "HEAD")
+    tree = _ls_tree(info.top, "HEAD", candidates)
+    # stat-only differences (a touched file) are not changes: hash what is there and compare
+    regular = [
+        rel for rel in candidates
+        if rel in tree and (info.top / rel).is_file() and not (info.top / rel).is_symlink()
+    ]
+    hashed: dict[str, str] = {}
+    if regular:
+        res = _git(info.top, "hash-object", "--stdin-paths", input="\n".join(regular).encode() + b"\n")
+        hashed = dict(zip(regular, _out(res).split(), strict=False))
+    return sorted(rel for rel in candidates if rel not in tree or hashed.get(rel) != tree[rel][1])
+
+
 def checkout_revision(repo: Path, worktrees_root: Path, name: str, rev: str) -> tuple[Path, str]:
     """A linked worktree `<worktrees_root>/<name>` of `repo`, detached at `rev`, and the commit's
     full sha: a revision as it was committed (the user's uncommitted edits are not in it), for

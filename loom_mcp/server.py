@@ -490,7 +490,11 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> CommandBenchmarkResult:
             from loom_mcp import judge
             from loom_mcp.bench.command import benchmark_commands
-            from loom_mcp.bench.revisions import revision_checkouts, revisions_root
+            from loom_mcp.bench.revisions import (
+                revision_checkouts,
+                revisions_root,
+                uncommitted_finding,
+            )
             from loom_mcp.store import new_run_id
 
             if baseline_revision is None and (revision is not None or repo is not None):
@@ -530,6 +534,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                 async with revision_checkouts(repo_path, wanted, root, cwd_path) as checkouts:
                     result = await measure(checkouts.cwds)
                 result.revisions = checkouts.commits
+                result.findings += await anyio.to_thread.run_sync(
+                    uncommitted_finding, repo_path, checkouts.commits["candidate"])
             result.benchmark_id = run_id
             samples = orjson.loads(Path(result.samples_file).read_bytes())
             judge.store_record(services.ledger, services.artifacts, run_id, "benchmark",

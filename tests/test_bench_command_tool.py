@@ -93,8 +93,11 @@ async def test_one_command_at_two_revisions(tmp_path):
         assert data["revisions"] == {"baseline": git(repo, "rev-parse", "HEAD~1"),
                                      "candidate": git(repo, "rev-parse", "HEAD")}
         (metric,) = data["metrics"]
-        # the committed 1.3x, not the uncommitted 9x
+        # the committed 1.3x, not the uncommitted 9x, and a warning that the edit was left out
         assert 1.2 < metric["ratio"]["estimate"] < 1.4 and metric["ratio"]["ci_low"] > 1.0
+        (left_out,) = [f for f in data["findings"] if f["check"] == "bench.command.uncommitted"]
+        assert left_out["severity"] == "warning" and "bench/program.py" in left_out["message"]
+        assert "1 file(s)" in left_out["message"]
         record = json.loads((await client.read_resource(f"loom://runs/{data['benchmark_id']}")).contents[0].text)
         assert record["result"]["revisions"] == data["revisions"]
         ran_in = record["samples"]["cwd"]
@@ -185,3 +188,26 @@ async def test_a_stopped_servers_revision_checkouts_are_swept_at_start(tmp_path)
     assert not stale.exists()  # its process is gone: removed, and git forgot them
     assert sorted(p.name for p in live.iterdir()) == ["baseline", "candidate"]  # a live one's kept
     assert len(worktrees(repo)) == 3
+
+
+def test_uncommitted_paths_are_content_changes_only(tmp_path):
+    from loom_mcp import gitops
+    from loom_mcp.bench.revisions import uncommitted_finding
+
+    repo = two_commit_repo(tmp_path)  # bench/program.py edited after the last commit
+    assert gitops.uncommitted_paths(repo) == ["bench/program.py"]
+    git(repo, "checkout", "--", "bench/program.py")
+    os.utime(repo / "bench" / "program.py", (1, 1))  # touched, same content: not a change
+    (repo / ".gitignore").write_text("*.log\n")
+    (repo / "run.log").write_text("ignored\n")
+    assert gitops.uncommitted_paths(repo) == [".gitignore"]  # untracked and not ignored
+    git(repo, "add", ".gitignore")
+    git(repo, "commit", "-q", "-m", "ignore logs")
+    assert gitops.uncommitted_paths(repo / "bench") == []  # any directory of the repository
+    (repo / "bench" / "program.py").unlink()
+    assert gitops.uncommitted_paths(repo) == ["bench/program.py"]
+    head, previous = git(repo, "rev-parse", "HEAD"), git(repo, "rev-parse", "HEAD~1")
+    assert gitops.head_commit(repo) == head
+    (finding,) = uncommitted_finding(repo / "bench", head)
+    assert finding.check == "bench.command.uncommitted" and "bench/program.py" in finding.message
+    assert uncommitted_finding(repo, previous) == []  # the candidate arm was not HEAD

@@ -18,6 +18,7 @@ import anyio.to_thread
 from loom_mcp import gitops
 from loom_mcp.bench.command_models import Arm
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import Finding
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +126,24 @@ async def revision_checkouts(
                 await anyio.to_thread.run_sync(_remove_checkouts, top, root)
             except LoomError as exc:  # never hide the benchmark's own outcome behind this
                 log.warning("could not remove the revision checkouts in %s: %s", root, exc)
+
+
+def uncommitted_finding(repo: Path, candidate_commit: str) -> list[Finding]:
+    """A warning when the candidate arm ran HEAD's commit while the working tree holds edits:
+    whoever asked most likely meant to measure them, and neither arm saw them."""
+    top = gitops.repository_root(_nearest_directory(Path(repo)))
+    if gitops.head_commit(top) != candidate_commit:
+        return []
+    paths = gitops.uncommitted_paths(top)
+    if not paths:
+        return []
+    shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return [
+        Finding(
+            check="bench.command.uncommitted",
+            severity="warning",
+            message=f"the candidate arm ran HEAD ({candidate_commit[:12]}), but the working tree "
+            f"differs from it in {len(paths)} file(s): {shown}. Neither arm ran those edits; "
+            "commit them to measure them",
+        )
+    ]
