@@ -70,3 +70,14 @@ def test_fresh_build_of_the_candidate(sass_tool):
         assert summary["imma"] == mmas, (kernel, summary)
         # two CTAs of 288 threads must fit an SM's 65,536 registers
         assert 0 < registers[sass_tool.KERNELS[kernel]] <= 65536 // (2 * 288)
+
+
+def test_command_line_on_a_saved_listing(sass_tool, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setattr(sys, "argv", ["sass_q4k_gemv.py", "--sass", str(LISTING), "--kernel", "bn"])
+    assert sass_tool.main() == 0
+    printed = json.loads(capsys.readouterr().out)
+    # the listing's own kernel, whatever --kernel says, and no registers (no build ran)
+    assert printed["kernel"] == "_Z18q4k_gemv_b1_kernelPKhPKtPtiiii"
+    assert printed["instructions"] == 171 and "registers" not in printed

@@ -130,9 +130,11 @@ def main() -> int:
         sass, registers = args.sass.read_text(), {}
     else:
         sass, registers = build_and_disassemble(args.candidate, args.kernel)
-    result = {"kernel": KERNELS[args.kernel], **summary(consumer_loop(sass))}
-    if KERNELS[args.kernel] in registers:
-        result["registers"] = registers[KERNELS[args.kernel]]
+    named = re.search(r"Function : (\S+)", sass)  # a saved listing names its own kernel
+    name = named.group(1) if args.sass and named else KERNELS[args.kernel]
+    result = {"kernel": name, **summary(consumer_loop(sass))}
+    if name in registers:
+        result["registers"] = registers[name]
     print(json.dumps(result))
     return 0
 
