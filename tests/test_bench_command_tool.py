@@ -211,3 +211,6 @@ def test_uncommitted_paths_are_content_changes_only(tmp_path):
     (finding,) = uncommitted_finding(repo / "bench", head)
     assert finding.check == "bench.command.uncommitted" and "bench/program.py" in finding.message
     assert uncommitted_finding(repo, previous) == []  # the candidate arm was not HEAD
+    # a repository git cannot read any more: no note, and no error over the measurement
+    (repo / ".git" / "HEAD").write_text("garbage\n")
+    assert uncommitted_finding(repo, head) == []

@@ -131,10 +131,14 @@ async def revision_checkouts(
 def uncommitted_finding(repo: Path, candidate_commit: str) -> list[Finding]:
     """A warning when the candidate arm ran HEAD's commit while the working tree holds edits:
     whoever asked most likely meant to measure them, and neither arm saw them."""
-    top = gitops.repository_root(_nearest_directory(Path(repo)))
-    if gitops.head_commit(top) != candidate_commit:
+    try:
+        top = gitops.repository_root(_nearest_directory(Path(repo)))
+        if gitops.head_commit(top) != candidate_commit:
+            return []
+        paths = gitops.uncommitted_paths(top)
+    except LoomError as exc:  # a note about the working tree never costs the measurement
+        log.warning("could not compare the working tree with HEAD: %s", exc)
         return []
-    paths = gitops.uncommitted_paths(top)
     if not paths:
         return []
     shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
