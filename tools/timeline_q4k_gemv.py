@@ -127,7 +127,7 @@ def instrument(source: str, no_math: bool) -> str:
     tail_of_x = "\n  // Lane (g, t)"
     out = insert(out, "  __syncwarp();\n" + tail_of_x, "  if (tid == 0) rec[3] = now_ns();\n", before=tail_of_x)
     # each warp done with a chunk: just before the ring position moves on
-    moves_on = "      if (++slot == stages) slot = 0, ++round;\n    }\n\n    // This tile's rows"
+    moves_on = "      next_slot(slot, round, stages);\n    }\n\n    // This tile's rows"
     done = f"      if (lane == 0 && item < {MAX_ITEMS}) rec[{DONE} + warp * {MAX_ITEMS} + item] = now_ns();\n"
     out = insert(out, moves_on, done, before=moves_on)
     # the CTA's end: after the last tile's rows are written (thread 0 writes one of them)

@@ -499,6 +499,16 @@ __device__ __forceinline__ void ring_init(unsigned char* zero_line, u32 full, u3
   __syncthreads();
 }
 
+// A consumer warp is done reading a slot: once all its lanes have, one arrival for the warp.
+__device__ __forceinline__ void release_slot(u32 empty, int slot, int lane) {
+  __syncwarp();
+  if (lane == 0) bar_arrive(empty + 8 * slot);
+}
+// The next ring slot, and the round (barrier phase) it is in.
+__device__ __forceinline__ void next_slot(int& slot, int& round, int stages) {
+  if (++slot == stages) slot = 0, ++round;
+}
+
 // The producer warp: streams the CTA's (tile, chunk) items through the ring of `stages` slots,
 // one bulk copy per row (lanes 0-15), each slot refilled once its consumers have released it.
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int n_rows, int n_blocks, int items,
@@ -516,7 +526,7 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int
       bulk_copy(ring + slot * SLOT_BYTES + lane * ROW_STRIDE, W + row * row_bytes + chunk * SEGMENT_BYTES,
                 bytes, full + 8 * slot);
     }
-    if (++slot == stages) slot = 0, ++round;
+    next_slot(slot, round, stages);
   }
 }
 
@@ -626,8 +636,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         q[1] = lds128(block + codes_g + 16);
         q[2] = lds128(block + codes_g + 8 * ROW_STRIDE);
         q[3] = lds128(block + codes_g + 8 * ROW_STRIDE + 16);
-        __syncwarp();
-        if (lane == 0) bar_arrive(empty + 8 * slot);  // the codes are in registers now
+        release_slot(empty, slot, lane);  // the codes are in registers now
         U4 xv[4];  // B fragments: this lane's bytes of x, sub-block 2t then 2t + 1 (or zeros)
         const u32 x_at = x_base + b * x_step;
 #pragma unroll
@@ -679,10 +688,9 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         acc[2] += dsc[2] * m0.x * c[2] - dmm[2] * m0.y;
         acc[3] += dsc[3] * m1.x * c[3] - dmm[3] * m1.y;
       } else {
-        __syncwarp();
-        if (lane == 0) bar_arrive(empty + 8 * slot);
+        release_slot(empty, slot, lane);
       }
-      if (++slot == stages) slot = 0, ++round;
+      next_slot(slot, round, stages);
     }
 
     // This tile's rows: lanes t = 0..3 hold a row's sub-blocks 2t, 2t+1; warps hold blocks.
@@ -835,8 +843,7 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
           code_g[j] = lds64(row_g + 16 + 32 * j + 8 * t);
           code_g8[j] = lds64(row_g8 + 16 + 32 * j + 8 * t);
         }
-        __syncwarp();
-        if (lane == 0) bar_arrive(empty + 8 * slot);
+        release_slot(empty, slot, lane);
 
         // rows g and g + 8: d, dmin, and the packed 6-bit scales and mins of sub-blocks 0-3, 4-7
         float d[2], dmin[2];
@@ -885,10 +892,9 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
           }
         }
       } else {
-        __syncwarp();
-        if (lane == 0) bar_arrive(empty + 8 * slot);
+        release_slot(empty, slot, lane);
       }
-      if (++slot == stages) slot = 0, ++round;
+      next_slot(slot, round, stages);
     }
 
     // Across warps (blocks): partial[buffer][warp][row][n], then one thread per (row, n).
