@@ -64,7 +64,7 @@ def test_cuda_source_is_read_without_importing_the_candidate(sass_tool):
 def test_fresh_build_of_the_candidate(sass_tool):
     if sass_tool.find_cuobjdump() is None:
         pytest.skip("needs cuobjdump")
-    for kernel, mmas in (("b1", 8), ("bn", 16)):
+    for kernel, mmas in (("b1", 8), ("b1_partial", 8), ("bn", 16)):
         sass, registers = sass_tool.build_and_disassemble(REPO / "kernels" / "q4k_gemv" / "candidate.py", kernel)
         summary = sass_tool.summary(sass_tool.consumer_loop(sass))
         assert summary["imma"] == mmas, (kernel, summary)

@@ -133,8 +133,8 @@ def instrument(source: str, no_math: bool) -> str:
     # the CTA's end: after the last tile's rows are written (thread 0 writes one of them)
     out = insert(out, "      y[row] = from_float(total, x_is_bf16);\n    }\n  }\n", "  if (tid == 0) rec[4] = now_ns();\n")
     if no_math:  # the consumers release each chunk untouched
-        taken = "      if (b < n_blocks) {\n        const u32 block = ring"
-        out = insert(out, taken, "", before=taken).replace(taken, taken.replace("b < n_blocks", "b < 0"))
+        taken = "      if (FullChunks || b < n_blocks) {\n        const u32 block = ring"
+        out = insert(out, taken, "", before=taken).replace(taken, taken.replace("FullChunks || b < n_blocks", "false"))
     return head + out + tail + HOST
 
 

@@ -328,9 +328,9 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights its loop is 171 warp instructions with 8 integer MMAs (SASS of nvcc
-# 13.0's build, cuobjdump), against about 1,060 for the Triton kernel (8.3 thread instructions
-# per weight):
+# Per 16 rows x 256 weights its loop is 157 warp instructions with 8 integer MMAs where K is a
+# whole number of 2048-weight chunks (SASS of nvcc 13.0's build, cuobjdump), against about
+# 1,060 for the Triton kernel (8.3 thread instructions per weight):
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
@@ -540,7 +540,10 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int
 // even sub-blocks' x, the high nibbles against the odd ones'): columns 2c and 2c + 1 of B hold
 // the high and low bytes of x of one sub-block of chunk c only, so lane (g, t) ends up holding
 // both bytes' sums for rows g, g+8 and sub-blocks 2t, 2t+1: the scales it needs are its own
-// chunk's.
+// chunk's. FullChunks: K is a whole number of chunks (every Llama shape), so every warp has a
+// block in every chunk and the loop has no branch for the last chunk's missing blocks (14 of
+// its 171 instructions in nvcc 13.0's SASS were that branch and its reconvergence).
+template <bool FullChunks>
 __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
 q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
             int n_rows, int n_blocks, int x_is_bf16, int stages) {
@@ -627,7 +630,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     for (int chunk = 0; chunk < n_chunks; ++chunk) {
       const int b = chunk * CHUNK_BLOCKS + warp;
       bar_wait(full + 8 * slot, round & 1);
-      if (b < n_blocks) {
+      if (FullChunks || b < n_blocks) {
         const u32 block = ring + slot * SLOT_BYTES + warp * BLOCK_BYTES;
         const u32 row_g = block + g * ROW_STRIDE, row_g8 = block + (g + 8) * ROW_STRIDE;
         const U4 head_g = lds128(row_g), head_g8 = lds128(row_g8);
@@ -719,7 +722,9 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
 // The kernel may use up to `max_bytes` of dynamic shared memory (set once: lowering it later
 // would make launches that need more fail).
 bool q4k_gemv_b1_allow(int max_bytes) {
-  const bool ok = cudaFuncSetAttribute(q4k_gemv_b1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const bool ok = cudaFuncSetAttribute(q4k_gemv_b1_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       max_bytes) == cudaSuccess &&
+                  cudaFuncSetAttribute(q4k_gemv_b1_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        max_bytes) == cudaSuccess;
   if (!ok) cudaGetLastError();
   return ok;
@@ -727,8 +732,10 @@ bool q4k_gemv_b1_allow(int max_bytes) {
 
 int q4k_gemv_b1_resident(int shared_bytes) {  // CTAs per SM at this shared memory; 0: too big
   int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, q4k_gemv_b1_kernel, (WARPS + 1) * 32, shared_bytes);
-  return per_sm;
+  int partial = 0;  // the smaller of the two builds' occupancies
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, q4k_gemv_b1_kernel<true>, (WARPS + 1) * 32, shared_bytes);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&partial, q4k_gemv_b1_kernel<false>, (WARPS + 1) * 32, shared_bytes);
+  return per_sm < partial ? per_sm : partial;
 }
 
 // `dependent`: launch with programmatic stream serialization, so the grid may start before
@@ -752,7 +759,9 @@ bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n
                         cudaStream_t stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = launch_config(grid, shared_bytes, dependent, stream, &attribute);
-  return cudaLaunchKernelEx(&config, q4k_gemv_b1_kernel, static_cast<const unsigned char*>(W),
+  return cudaLaunchKernelEx(&config,
+                            n_blocks % CHUNK_BLOCKS == 0 ? q4k_gemv_b1_kernel<true> : q4k_gemv_b1_kernel<false>,
+                            static_cast<const unsigned char*>(W),
                             static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
                             x_is_bf16, stages) == cudaSuccess;
 }
