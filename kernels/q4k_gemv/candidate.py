@@ -472,10 +472,12 @@ __device__ __forceinline__ XBytes x_as_bytes(U4 raw, int x_is_bf16) {
   for (int half = 0; half < 2; ++half) {
     int q[4];
     // round to nearest int: 1.5 * 2^23 puts it in the low bits; signed, 128 more, so that
-    // q + 128 = 256 hi + r with r in [0, 256), and lo = r - 128 is r with its top bit flipped
+    // q + 128 = 256 hi + r with r in [0, 256), and lo = r - 128 is r with its top bit flipped.
+    // The float's bits are 0x4B400000 + q (+ 128): their low 16 bits, all the permutes below
+    // take, are q's own, so the offset is never subtracted (one instruction per value).
     const float magic = SignedLow ? 12583040.f : 12582912.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = __float_as_int(fmaf(v[4 * half + i], scale, magic)) - 0x4B400000;
+    for (int i = 0; i < 4; ++i) q[i] = __float_as_int(fmaf(v[4 * half + i], scale, magic));
     const u32 p01 = __byte_perm(q[0], q[1], 0x5140), p23 = __byte_perm(q[2], q[3], 0x5140);
     out.lo[half] = __byte_perm(p01, p23, 0x5410) ^ (SignedLow ? 0x80808080u : 0u);
     out.hi[half] = __byte_perm(p01, p23, 0x7632);
