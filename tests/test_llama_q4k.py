@@ -162,8 +162,12 @@ def test_other_quant_types_are_dequantized_at_load(tmp_path):
         expected = dequantize(weights[name].numpy(), GGMLQuantizationType.Q8_0)
         assert torch.equal(loaded[name], torch.from_numpy(expected))
     model = build(args, loaded, 1, 10)
-    assert isinstance(model.layers[0].attention.wqkv, ConcatLinear)  # Q4_K q, k + dense v
+    wqkv = model.layers[0].attention.wqkv
+    assert isinstance(wqkv, ConcatLinear)  # Q4_K q, k + dense v
+    # the parts run one after another: only q follows the norm (the GEMV's ring depth)
+    assert [getattr(part, "follows_small_kernel", None) for part in wqkv.parts] == [True, False, None]
     assert isinstance(model.layers[1].feed_forward.w_down, DenseLinear)
+    assert model.layers[0].feed_forward.w_down.follows_small_kernel  # after SwiGLU
     tokens = torch.randint(0, args.vocab_size, (1, 10), generator=generator)
     with torch.inference_mode():
         logits = model(tokens, torch.arange(10))

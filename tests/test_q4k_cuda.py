@@ -56,27 +56,33 @@ def test_shared_memory_plan_fits_two_ctas_for_llama_shapes(candidate):
     # H200 / H100: 227 KB per CTA at most, 228 KB per SM; two CTAs keep the ring full while
     # the other computes.
     for n_blocks in (16, 56):
-        stages = candidate.cuda_stages(n_blocks)
-        assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024
+        for after_small in (False, True):
+            stages = candidate.cuda_stages(n_blocks, after_small)
+            assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024
     # the long rows hold more x; even the deepest ring the probes try there (4) fits two CTAs
     assert candidate.cuda_shared_bytes(56, 3) > candidate.cuda_shared_bytes(16, 3)
     assert 2 * (candidate.cuda_shared_bytes(56, 4) + 1024) <= 228 * 1024
 
 
-def test_ring_depth_follows_the_shape_unless_overridden(candidate, monkeypatch):
+def test_ring_depth_follows_the_shape_and_the_caller_unless_overridden(candidate, monkeypatch):
     monkeypatch.delenv("LOOM_Q4K_STAGES", raising=False)
-    assert candidate.ring_slots(56) == candidate.cuda_stages(56) == 4  # the model's down projection
-    assert candidate.ring_slots(16) == candidate.cuda_stages(16) == 3
+    # back to back with another heavy kernel (the task's timing): three slots everywhere
+    assert [candidate.ring_slots(n) for n in (5, 16, 32, 56, 64)] == [3] * 5
+    # after a small kernel (the model's down projection after SwiGLU): four from K = 8192
+    assert candidate.ring_slots(56, True) == candidate.cuda_stages(56, True) == 4
+    assert candidate.ring_slots(16, True) == candidate.cuda_stages(16, True) == 3
     # a fourth slot only while two CTAs still fit an SM: K = 16384 yes, K = 18944 no
-    assert candidate.cuda_stages(64) == 4 and candidate.cuda_stages(74) == 3
+    assert candidate.cuda_stages(64, True) == 4 and candidate.cuda_stages(74, True) == 3
     for n_blocks in (16, 32, 56, 64, 72, 74):
-        stages = candidate.cuda_stages(n_blocks)
+        stages = candidate.cuda_stages(n_blocks, True)
         assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024, n_blocks
+    # the variable overrides the caller's context too (A/B timing inside a whole program)
     monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
-    assert candidate.ring_slots(56) == candidate.ring_slots(16) == 4
+    assert candidate.ring_slots(56) == candidate.ring_slots(16) == candidate.ring_slots(16, True) == 4
     monkeypatch.setenv("LOOM_Q4K_STAGES", "16:5, 56:4")
     assert (candidate.ring_slots(16), candidate.ring_slots(56)) == (5, 4)
     assert candidate.ring_slots(5) == candidate.cuda_stages(5)  # a shape not named keeps its own
+    assert candidate.ring_slots(64, True) == candidate.cuda_stages(64, True) == 4
     for bad in ("0", "9", "four", "-1", "16:9", "x:4", "16:4,56", "16:", "4,16:9"):
         monkeypatch.setenv("LOOM_Q4K_STAGES", bad)
         with pytest.raises(ValueError, match="LOOM_Q4K_STAGES"):

@@ -143,14 +143,21 @@ def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
 
 
 class Q4KLinear(nn.Module):
-    def __init__(self, packed: Tensor) -> None:
+    """`follows_small_kernel`: in decode every projection comes right after a norm, attention
+    or SwiGLU, short kernels beside which the GEMV's CTAs start filling their rings (the
+    kernel prefetches deeper there); False for a part that runs after another projection."""
+
+    def __init__(self, packed: Tensor, follows_small_kernel: bool = True) -> None:
         super().__init__()
         self.register_buffer("weight", packed)  # uint8 [out, in / 256 * 144]
+        self.follows_small_kernel = follows_small_kernel
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= GEMV_MAX_ROWS:
-            out = q4k_gemv(rows, self.weight, constant_weight=True)  # parameters: never written
+            out = q4k_gemv(  # parameters: never written
+                rows, self.weight, constant_weight=True, follows_small_kernel=self.follows_small_kernel
+            )
         else:
             # Prefill: compute-bound from ~60 rows; the dense matmul wants the weights dequantized.
             out = rows @ dequantize_to(self.weight, x.dtype).T
@@ -177,17 +184,22 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def make_linear(parts: list[Tensor], dtype: torch.dtype, dequantize: bool) -> nn.Module:
+def make_linear(
+    parts: list[Tensor], dtype: torch.dtype, dequantize: bool, follows_small_kernel: bool = True
+) -> nn.Module:
     """One linear over `parts` stacked by rows: Q4_K bytes stay packed unless `dequantize`."""
     if dequantize:
         parts = [dequantize_q4_k(p) if p.dtype == torch.uint8 else p for p in parts]
     packed = [p.dtype == torch.uint8 for p in parts]
     if all(packed):
-        return Q4KLinear(torch.cat(parts))
+        return Q4KLinear(torch.cat(parts), follows_small_kernel)
     if not any(packed):
         return DenseLinear(torch.cat([p.to(dtype) for p in parts]))
-    # Q4_K_M files keep some attn_v and ffn_down tensors at Q6_K (dequantized at load).
-    return ConcatLinear([make_linear([p], dtype, dequantize=False) for p in parts])
+    # Q4_K_M files keep some attn_v and ffn_down tensors at Q6_K (dequantized at load). The
+    # parts run one after another: only the first follows the small kernel before the layer.
+    return ConcatLinear(
+        [make_linear([p], dtype, False, follows_small_kernel and i == 0) for i, p in enumerate(parts)]
+    )
 
 
 class Embedding(nn.Module):

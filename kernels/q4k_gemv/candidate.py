@@ -994,36 +994,42 @@ CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
 HOPPER_SHARED_PER_SM = 228 * 1024
 
 
-def cuda_stages(n_blocks: int) -> int:
-    """Ring slots per CTA: four from K = 8192 (Llama's down projection, K = 14336), three below.
+def cuda_stages(n_blocks: int, follows_small_kernel: bool = False) -> int:
+    """Ring slots per CTA: three, and four from K = 8192 when the GEMV follows a small kernel.
 
-    Chosen in the model, where it matters: Llama-3-8B decode on the H200 (tenth session, two
-    interleaved runs each, tok/s, slots at K = 4096 / 14336): 3 / 3 555.7 and 554.7; 4 / 4 576.2
-    and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and 585.8. There the GEMV
-    launches as a programmatic dependent of a small kernel (SwiGLU before the down projection),
-    beside which its ring can fill before that kernel ends (the likely reason: a fourth slot
-    holds 4 of the row's 7 chunks by then; not profiled). Back to back with another GEMV, where
-    its CTAs can only start as the other's leave, three slots were faster at K = 14336 (ninth
-    session: 11.15 and 11.20 µs against 11.55 and 11.61 under PDL), and at K = 4096 two to four
+    What runs before the GEMV decides it. Launched as a programmatic dependent of a small
+    kernel (in the model: RMSNorm, attention, SwiGLU before the down projection, K = 14336),
+    its CTAs fit beside that kernel's and fill their rings before it ends, and a fourth slot
+    then holds 4 of a row's 7 chunks when x arrives: Llama-3-8B decode on the H200 (tenth
+    session, two interleaved runs each, tok/s, slots at K = 4096 / 14336) 3 / 3 555.7 and
+    554.7; 4 / 4 576.2 and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and
+    585.8. Back to back with another GEMV (the task's timing, and a batch's rows), its CTAs
+    start only as the other's leave, and three slots were faster at K = 14336 every time they
+    were timed: ninth session 11.15 and 11.20 µs against 11.55 and 11.61 (PDL); twelfth
+    11.26-11.65 against 11.89-12.00; thirteenth 11.36 against 11.68. At K = 4096 two to four
     slots were within 0.1 µs.
 
     Four only while two CTAs still fit an SM (Hopper: 228 KB of shared memory, 1 KB of it
     reserved per CTA), up to K = 16384: at K = 18944 (Qwen2-7B's down projection) a fourth
     slot would leave one CTA per SM, which was much slower than two (ninth session)."""
-    if n_blocks >= 32 and 2 * (cuda_shared_bytes(n_blocks, 4) + 1024) <= HOPPER_SHARED_PER_SM:
+    if (
+        follows_small_kernel
+        and n_blocks >= 32
+        and 2 * (cuda_shared_bytes(n_blocks, 4) + 1024) <= HOPPER_SHARED_PER_SM
+    ):
         return 4
     return 3
 
 
-def ring_slots(n_blocks: int) -> int:
+def ring_slots(n_blocks: int, follows_small_kernel: bool = False) -> int:
     """The ring slots a launch uses where the kernel object does not fix them: `cuda_stages`,
     or LOOM_Q4K_STAGES for timing other depths in a whole program, such as the model's decode:
     one depth for every shape ("4"), or depths by Q4_K blocks per row ("16:5,56:4"; shapes not
-    named keep `cuda_stages`), each 1-8. A kernel object asks once per shape
-    (`CudaGemvB1.stages_for`)."""
+    named keep `cuda_stages`), each 1-8, whatever the caller says. A kernel object asks once
+    per shape and caller context (`CudaGemvB1.stages_for`)."""
     override = os.environ.get("LOOM_Q4K_STAGES", "").strip()
     if not override:
-        return cuda_stages(n_blocks)
+        return cuda_stages(n_blocks, follows_small_kernel)
     by_blocks: dict[int, int] = {}  # key 0: every shape
     for item in override.split(","):
         blocks, _, depth = item.strip().rpartition(":")
@@ -1033,7 +1039,7 @@ def ring_slots(n_blocks: int) -> int:
                 f"16:5,56:4, not {override!r}"
             )
         by_blocks[int(blocks or 0)] = int(depth)
-    return by_blocks.get(n_blocks, by_blocks.get(0) or cuda_stages(n_blocks))
+    return by_blocks.get(n_blocks, by_blocks.get(0) or cuda_stages(n_blocks, follows_small_kernel))
 
 
 CUDA_BATCHED_STAGES = 3  # ring slots of the batched kernel
@@ -1117,29 +1123,32 @@ class CudaGemvB1:
             if not self.module.allow(self.max_shared):
                 raise RuntimeError(f"could not allow {self.max_shared} bytes of shared memory")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.per_sm: dict[int, int] = {}
+        self.per_sm: dict[int, int] = {}  # by shared memory per CTA
         self.batched_per_sm: dict[tuple[int, int, int], int] = {}
-        self.stages_by_blocks: dict[int, int] = {}
+        self.stages_by_blocks: dict[tuple[int, bool], int] = {}
 
-    def stages_for(self, n_blocks: int) -> int:
-        if n_blocks not in self.stages_by_blocks:  # settled at a shape's first launch
-            self.stages_by_blocks[n_blocks] = self.stages or ring_slots(n_blocks)
-        return self.stages_by_blocks[n_blocks]
+    def stages_for(self, n_blocks: int, follows_small_kernel: bool = False) -> int:
+        key = (n_blocks, follows_small_kernel)
+        if key not in self.stages_by_blocks:  # settled at a shape's first launch
+            self.stages_by_blocks[key] = self.stages or ring_slots(n_blocks, follows_small_kernel)
+        return self.stages_by_blocks[key]
 
-    def shared_bytes(self, n_blocks: int) -> int:
-        return cuda_shared_bytes(n_blocks, self.stages_for(n_blocks))
+    def shared_bytes(self, n_blocks: int, follows_small_kernel: bool = False) -> int:
+        return cuda_shared_bytes(n_blocks, self.stages_for(n_blocks, follows_small_kernel))
 
-    def fits(self, n_blocks: int) -> bool:
-        return self.shared_bytes(n_blocks) <= self.max_shared and self._resident(n_blocks) > 0
+    def fits(self, n_blocks: int, follows_small_kernel: bool = False) -> bool:
+        shared = self.shared_bytes(n_blocks, follows_small_kernel)
+        return shared <= self.max_shared and self._resident(shared) > 0
 
-    def _resident(self, n_blocks: int) -> int:
-        if n_blocks not in self.per_sm:
-            self.per_sm[n_blocks] = int(self.module.resident(self.shared_bytes(n_blocks)))
-        return self.per_sm[n_blocks]
+    def _resident(self, shared: int) -> int:
+        if shared not in self.per_sm:
+            self.per_sm[shared] = int(self.module.resident(shared))
+        return self.per_sm[shared]
 
-    def grid(self, n_rows: int, n_blocks: int) -> int:
+    def grid(self, n_rows: int, n_blocks: int, follows_small_kernel: bool = False) -> int:
         """The persistent grid over every SM full of resident CTAs (`balanced_grid`)."""
-        return balanced_grid(n_rows, self.sms * (self.ctas_per_sm or max(self._resident(n_blocks), 1)))
+        resident = self._resident(self.shared_bytes(n_blocks, follows_small_kernel))
+        return balanced_grid(n_rows, self.sms * (self.ctas_per_sm or max(resident, 1)))
 
     def batched_ctas_per_sm(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
         """CTAs of the batched kernel an SM holds at this K, batch and ring depth; 0: none fits."""
@@ -1173,7 +1182,12 @@ class CudaGemvB1:
         )
 
     def __call__(
-        self, x: torch.Tensor, weight_q4k: torch.Tensor, out: torch.Tensor, dependent: bool = False
+        self,
+        x: torch.Tensor,
+        weight_q4k: torch.Tensor,
+        out: torch.Tensor,
+        dependent: bool = False,
+        follows_small_kernel: bool = False,
     ) -> None:
         """y = x @ W.T for x [batch, K]: one launch per row of x, each reading the whole weight.
 
@@ -1181,9 +1195,13 @@ class CudaGemvB1:
         the stream, whose weight reads then start before that kernel's writes are visible: only
         for a weight no kernel writes (see q4k_gemv's constant_weight). Every later row is a
         dependent whatever the caller says: the kernel before it is this GEMV, which writes no
-        weight, and it started only after everything before it in the stream had finished."""
+        weight, and it started only after everything before it in the stream had finished.
+        `follows_small_kernel`: the ring depth for that context (`cuda_stages`); a batch's rows
+        after the first follow this GEMV, but one depth serves the launches of one call."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
-        stages, grid, shared = self.stages_for(n_blocks), self.grid(n_rows, n_blocks), self.shared_bytes(n_blocks)
+        after = follows_small_kernel and x.shape[0] == 1
+        stages = self.stages_for(n_blocks, after)
+        grid, shared = self.grid(n_rows, n_blocks, after), self.shared_bytes(n_blocks, after)
         pdl = os.environ.get("LOOM_Q4K_PDL") != "0"
         for row in range(x.shape[0]):
             self.module.launch(
@@ -1252,13 +1270,15 @@ def cuda_gemv_b1(device: torch.device) -> CudaGemvB1 | None:
     return _cuda_kernels[index]
 
 
-def _cuda_kernel(x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int) -> CudaGemvB1 | None:
+def _cuda_kernel(
+    x: torch.Tensor, weight_q4k: torch.Tensor, n_blocks: int, follows_small_kernel: bool = False
+) -> CudaGemvB1 | None:
     """The CUDA kernel, where it is built, its shared memory fits, and x and W are 16-byte
     aligned (its vector loads and bulk copies)."""
     if x.data_ptr() % 16 or weight_q4k.data_ptr() % 16:
         return None
     kernel = cuda_gemv_b1(x.device)
-    return kernel if kernel is not None and kernel.fits(n_blocks) else None
+    return kernel if kernel is not None and kernel.fits(n_blocks, follows_small_kernel) else None
 
 
 def _runs_triton(x: torch.Tensor) -> bool:
@@ -1286,6 +1306,7 @@ def q4k_gemv(
     weight_q4k: torch.Tensor,
     config: GemvConfig | None = None,
     constant_weight: bool = False,
+    follows_small_kernel: bool = False,
 ) -> torch.Tensor:
     """x [batch, K] @ dequantize(weight_q4k [N, K / 256 * 144]).T -> [batch, N] in x's dtype.
 
@@ -1293,7 +1314,11 @@ def q4k_gemv(
     The CUDA kernel is then launched as a programmatic dependent (PDL, Hopper): it streams the
     weight while the kernel before it still runs, and waits for that kernel only before it
     reads x. Without the promise it is a plain launch, since a weight written by the kernel
-    just before could be read stale."""
+    just before could be read stale.
+    `follows_small_kernel`: what runs just before is a small kernel (a norm, an elementwise
+    op, decode attention), not another heavy stream such as this GEMV: at batch 1 the CUDA
+    kernel then prefetches deeper from K = 8192 (`cuda_stages` has the measurements). Only
+    the ring depth changes, never the result."""
     batch, k = x.shape
     n_rows = weight_q4k.shape[0]
     if (
@@ -1314,7 +1339,7 @@ def q4k_gemv(
         return out
     n_blocks = k // QK_K
     kernel = (
-        _cuda_kernel(x, weight_q4k, n_blocks)
+        _cuda_kernel(x, weight_q4k, n_blocks, follows_small_kernel and batch == 1)
         if config is None and x.is_cuda and cuda_takes_batch(n_rows, batch)
         else None
     )
@@ -1327,7 +1352,7 @@ def q4k_gemv(
             kernel.batched(x, weight_q4k, out, dependent=constant_weight)
             return out
         if path == "rows":
-            kernel(x, weight_q4k, out, dependent=constant_weight)
+            kernel(x, weight_q4k, out, dependent=constant_weight, follows_small_kernel=follows_small_kernel)
             return out
     config = config or pick_config(n_rows, n_blocks, batch)
     if config.method == "mma":
