@@ -513,10 +513,14 @@ __device__ __forceinline__ void next_slot(int& slot, int& round, int stages) {
 
 // The producer warp: streams the CTA's (tile, chunk) items through the ring of `stages` slots,
 // one bulk copy per row (lanes 0-15), each slot refilled once its consumers have released it.
+// Launched as a programmatic dependent, it streams the first `before_wait` items while the
+// kernel ahead still runs and the rest once that kernel has ended (see items_before_wait).
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int n_rows, int n_blocks, int items,
-                                        int n_chunks, int stages, u32 ring, u32 full, u32 empty, int lane) {
+                                        int n_chunks, int stages, int before_wait, u32 ring, u32 full, u32 empty,
+                                        int lane) {
   const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
   for (int i = 0, slot = 0, round = 0; i < items; ++i) {
+    if (i == before_wait) asm volatile("griddepcontrol.wait;" ::: "memory");
     const int chunk = i % n_chunks;
     const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
     if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
@@ -548,7 +552,7 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int
 template <bool FullChunks>
 __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_CTAS)
 q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
-            int n_rows, int n_blocks, int x_is_bf16, int stages) {
+            int n_rows, int n_blocks, int x_is_bf16, int stages, int before_wait) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -570,7 +574,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   ring_init(zero_line, full, empty, stages, tid);
 
   if (warp == WARPS) {  // the producer
-    produce(W, n_rows, n_blocks, items, n_chunks, stages, ring, full, empty, lane);
+    produce(W, n_rows, n_blocks, items, n_chunks, stages, before_wait, ring, full, empty, lane);
     return;
   }
 
@@ -757,7 +761,7 @@ static cudaLaunchConfig_t launch_config(int grid, int shared_bytes, int dependen
 }
 
 bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+                        int x_is_bf16, int stages, int before_wait, int grid, int shared_bytes, int dependent,
                         cudaStream_t stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = launch_config(grid, shared_bytes, dependent, stream, &attribute);
@@ -765,7 +769,7 @@ bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n
                             n_blocks % CHUNK_BLOCKS == 0 ? q4k_gemv_b1_kernel<true> : q4k_gemv_b1_kernel<false>,
                             static_cast<const unsigned char*>(W),
                             static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks,
-                            x_is_bf16, stages) == cudaSuccess;
+                            x_is_bf16, stages, before_wait) == cudaSuccess;
 }
 
 // ---- Batches 2-8: one launch reads the weight once for every row of x. ----
@@ -807,8 +811,8 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   asm volatile("griddepcontrol.launch_dependents;");
   ring_init(zero_line, full, empty, stages, tid);
 
-  if (warp == WARPS) {  // the producer, as at batch 1
-    produce(W, n_rows, n_blocks, items, n_chunks, stages, ring, full, empty, lane);
+  if (warp == WARPS) {  // the producer, as at batch 1, its whole ring ahead of the kernel before
+    produce(W, n_rows, n_blocks, items, n_chunks, stages, items, ring, full, empty, lane);
     return;
   }
 
@@ -958,7 +962,7 @@ CUDA_BINDING = r"""
 bool q4k_gemv_b1_allow(int max_bytes);
 int q4k_gemv_b1_resident(int shared_bytes);
 bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks,
-                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+                        int x_is_bf16, int stages, int before_wait, int grid, int shared_bytes, int dependent,
                         cudaStream_t stream);
 
 bool q4k_gemv_bn_allow(int max_bytes);
@@ -980,11 +984,11 @@ void launch_batched(torch::Tensor weight, torch::Tensor x, torch::Tensor out, in
 }
 int64_t resident(int64_t shared_bytes) { return q4k_gemv_b1_resident((int)shared_bytes); }
 
-void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t stages, int64_t grid,
-            int64_t shared_bytes, bool dependent) {
+void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t stages, int64_t before_wait,
+            int64_t grid, int64_t shared_bytes, bool dependent) {
   const bool ok = q4k_gemv_b1_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
                                      (int)(weight.size(1) / 144), x.scalar_type() == at::kBFloat16, (int)stages,
-                                     (int)grid, (int)shared_bytes, dependent,
+                                     (int)before_wait, (int)grid, (int)shared_bytes, dependent,
                                      c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   TORCH_CHECK(ok, "q4k_gemv_b1 launch failed: ", cudaGetErrorString(cudaGetLastError()));
 }
@@ -1040,6 +1044,25 @@ def ring_slots(n_blocks: int, follows_small_kernel: bool = False) -> int:
             )
         by_blocks[int(blocks or 0)] = int(depth)
     return by_blocks.get(n_blocks, by_blocks.get(0) or cuda_stages(n_blocks, follows_small_kernel))
+
+
+def items_before_wait(items: int, stages: int, follows_small_kernel: bool = False) -> int:
+    """Chunks a batch-1 CTA's producer streams, as a programmatic dependent, before the kernel
+    ahead of it has ended; the rest of its `items` (tile, chunk) pairs stream after.
+
+    After a small kernel, the whole ring: nothing else is streaming then. Back to back with
+    another heavy kernel, a CTA whose work does not fit its ring starts with one chunk: the
+    next launch's CTAs start as the kernel ahead's leave, and what they stream before it ends
+    competes with its last CTAs, whose end every CTA of the next launch waits for. H200,
+    thirteenth session, one machine, PDL, three slots, µs at 4096² / 14336x4096 / 4096x14336 /
+    1024x4096 (two items per CTA at 4096² and 1024x4096, eight and seven at the 33 MB shapes),
+    whole ring / two chunks / one chunk before the wait: three rounds 4.48 / 4.49 / 4.53, 10.70
+    / 10.48 / 10.49, 11.74 / 11.61 / 11.54, 3.23 / 3.20 / 3.28; five rounds 4.50 / 4.49 /
+    4.55, 10.72 / 10.58 / 10.50, 11.66 / 11.56 / 11.38, 3.22 / 3.18 / 3.27. So one chunk
+    where the work outlasts the ring, the whole ring where it fits."""
+    if follows_small_kernel or items <= stages:
+        return stages
+    return 1
 
 
 CUDA_BATCHED_STAGES = 3  # ring slots of the batched kernel
@@ -1202,10 +1225,20 @@ class CudaGemvB1:
         after = follows_small_kernel and x.shape[0] == 1
         stages = self.stages_for(n_blocks, after)
         grid, shared = self.grid(n_rows, n_blocks, after), self.shared_bytes(n_blocks, after)
+        tiles = -(-n_rows // CUDA_ROWS)
+        items = -(-tiles // grid) * -(-n_blocks // 8)  # the busiest CTA's (tile, chunk) pairs
+        before_wait = items_before_wait(items, stages, after)
         pdl = os.environ.get("LOOM_Q4K_PDL") != "0"
         for row in range(x.shape[0]):
             self.module.launch(
-                weight_q4k, x[row : row + 1], out[row : row + 1], stages, grid, shared, pdl and (dependent or row > 0)
+                weight_q4k,
+                x[row : row + 1],
+                out[row : row + 1],
+                stages,
+                before_wait,
+                grid,
+                shared,
+                pdl and (dependent or row > 0),
             )
 
 
