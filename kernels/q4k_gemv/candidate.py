@@ -334,7 +334,9 @@ def q4k_gemv_mma_kernel(
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
-#   a block of each chunk and release the slot as soon as its codes are in registers.
+#   a block of each chunk and release the slot as soon as its codes are in registers. How deep
+#   the ring is, and how much of it streams before the kernel ahead ends (PDL), depend on what
+#   that kernel is: the caller says (`cuda_stages`, `items_before_wait`).
 # - Codes stay bytes: one AND per four codes (`w & 0x0F0F0F0F` gives q, `w & 0xF0F0F0F0` gives
 #   16 q) makes the A operand of an integer `mma.sync.m16n8k32`: no per-weight arithmetic.
 # - x becomes integers once per call: per 32-value sub-block, a power of two scales it to
