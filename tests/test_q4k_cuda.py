@@ -89,6 +89,20 @@ def test_ring_depth_follows_the_shape_and_the_caller_unless_overridden(candidate
             candidate.ring_slots(56)
 
 
+def test_what_streams_before_the_kernel_ahead_ends(candidate):
+    # after a small kernel, the whole ring, whatever the work
+    assert candidate.items_before_wait(7, 4, follows_small_kernel=True) == 4
+    assert candidate.items_before_wait(8, 3, follows_small_kernel=True) == 3
+    # back to back: the whole ring where the CTA's work fits it (4096², 1024x4096: two items)
+    assert candidate.items_before_wait(2, 3) == 3
+    assert candidate.items_before_wait(3, 3) == 3
+    # one chunk where it outlasts the ring (the 33 MB shapes: seven and eight items)
+    assert candidate.items_before_wait(7, 3) == candidate.items_before_wait(8, 3) == 1
+    # the launch counts a CTA's items with the CUDA source's chunk width
+    defined = re.search(r"#define CHUNK_BLOCKS (\d+)", candidate.CUDA_SOURCE)
+    assert defined and int(defined.group(1)) == candidate.CUDA_CHUNK_BLOCKS
+
+
 @pytest.mark.gpu
 def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
     import torch

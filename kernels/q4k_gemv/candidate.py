@@ -997,6 +997,7 @@ void launch(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t st
 """
 
 CUDA_WARPS, CUDA_ROWS, CUDA_MIN_CTAS = 8, 16, 2
+CUDA_CHUNK_BLOCKS = 8  # Q4_K blocks per row in a ring slot (CHUNK_BLOCKS: one per consumer warp)
 HOPPER_SHARED_PER_SM = 228 * 1024
 
 
@@ -1076,7 +1077,7 @@ def _shared_bytes(n_blocks: int, stages: int, x_rows: int, sum_rows: int) -> int
     row of x; two sets of cross-warp partial sums for `sum_rows` rows of x; a line of zeros; the
     ring's full and empty barriers."""
     return (
-        stages * CUDA_ROWS * (8 * BLOCK_BYTES + 16)
+        stages * CUDA_ROWS * (CUDA_CHUNK_BLOCKS * BLOCK_BYTES + 16)
         + n_blocks * 8 * x_rows * (64 + 8)
         + 2 * CUDA_WARPS * CUDA_ROWS * sum_rows * 4
         + 64
@@ -1228,7 +1229,7 @@ class CudaGemvB1:
         stages = self.stages_for(n_blocks, after)
         grid, shared = self.grid(n_rows, n_blocks, after), self.shared_bytes(n_blocks, after)
         tiles = -(-n_rows // CUDA_ROWS)
-        items = -(-tiles // grid) * -(-n_blocks // 8)  # the busiest CTA's (tile, chunk) pairs
+        items = -(-tiles // grid) * -(-n_blocks // CUDA_CHUNK_BLOCKS)  # the busiest CTA's (tile, chunk) pairs
         before_wait = items_before_wait(items, stages, after)
         pdl = os.environ.get("LOOM_Q4K_PDL") != "0"
         for row in range(x.shape[0]):
