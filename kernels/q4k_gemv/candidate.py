@@ -1222,8 +1222,9 @@ class CudaGemvB1:
         for a weight no kernel writes (see q4k_gemv's constant_weight). Every later row is a
         dependent whatever the caller says: the kernel before it is this GEMV, which writes no
         weight, and it started only after everything before it in the stream had finished.
-        `follows_small_kernel`: the ring depth for that context (`cuda_stages`); a batch's rows
-        after the first follow this GEMV, but one depth serves the launches of one call."""
+        `follows_small_kernel`: the ring depth and prefetch for that context (`cuda_stages`,
+        `items_before_wait`), taken only by a single row: a batch's rows after the first follow
+        this GEMV itself, and one depth serves all of a call's launches."""
         n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
         after = follows_small_kernel and x.shape[0] == 1
         stages = self.stages_for(n_blocks, after)
