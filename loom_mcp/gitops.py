@@ -1068,14 +1068,16 @@ def head_commit(path: Path) -> str | None:
     return _ref_sha(repository_root(path), "HEAD")
 
 
-def uncommitted_paths(path: Path) -> list[str]:
+def uncommitted_paths(path: Path, head: str | None = None) -> list[str]:
     """Repo-relative paths of the repository `path` lies in whose working-tree content is not
     HEAD's: tracked files edited or deleted, and untracked files git does not ignore. What a run
-    at HEAD's commit leaves out. Reads the repository and the changed files only (the content
-    is hashed as `git add` would store it), and writes nothing."""
+    at HEAD's commit leaves out; with `head`, none unless HEAD is that commit (the edits are then
+    to some other commit). Reads the repository and the changed files only (the content is
+    hashed as `git add` would store it), and writes nothing."""
     info = _open_repo(repository_root(path))
-    if _ref_sha(info.top, "HEAD") is None:
-        return []  # no commit yet: nothing to compare with
+    at = _ref_sha(info.top, "HEAD")
+    if at is None or (head is not None and at != head):
+        return []  # no commit yet, or not the commit asked about: nothing to compare with
     candidates = _changed_paths(info, "HEAD")
     tree = _ls_tree(info.top, "HEAD", candidates)
     # stat-only differences (a touched file) are not changes: hash what is there and compare

@@ -131,11 +131,8 @@ async def revision_checkouts(
 def uncommitted_finding(repo: Path, candidate_commit: str) -> list[Finding]:
     """A warning when the candidate arm ran HEAD's commit while the working tree holds edits:
     whoever asked most likely meant to measure them, and neither arm saw them."""
-    where = _nearest_directory(Path(repo))  # each call below finds the repository's top
     try:
-        if gitops.head_commit(where) != candidate_commit:
-            return []
-        paths = gitops.uncommitted_paths(where)
+        paths = gitops.uncommitted_paths(_nearest_directory(Path(repo)), head=candidate_commit)
     except LoomError as exc:  # a note about the working tree never costs the measurement
         log.warning("could not compare the working tree with HEAD: %s", exc)
         return []
