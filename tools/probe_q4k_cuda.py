@@ -13,7 +13,8 @@ program's way: each call streams its weight while the one before it finishes). W
 `--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
 timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
 one machine state. `--batch N` times batch N instead (the Triton kernel, the batch-1 CUDA
-kernel launched once per row, the batched CUDA kernel, and what q4k_gemv picks). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
+kernel launched once per row, the batched CUDA kernel, and what q4k_gemv picks; with
+`--against`, those files' batched kernels too). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
 candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
 place. Writes probe_q4k_cuda.json.
 """
@@ -164,7 +165,7 @@ def main() -> int:
         sets = rotating_sets(make, n * k // 256 * 144)
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
         if args.batch > 1:
-            timed = batched_entries(cand, kernel, n, k, args.batch)
+            timed = batched_entries(cand, kernel, n, k, args.batch, others)
             x0, w0 = sets[0]
             want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
             for name, fn in timed:
@@ -233,12 +234,12 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
     return timed
 
 
-def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
+def batched_entries(cand, kernel, n: int, k: int, batch: int, others: dict | None = None) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
     the others always dependents), the batched CUDA kernel where it fits (and with two ring
-    slots where only that fits two CTAs per SM), and what the task's `q4k_gemv` picks
-    (`cuda_path`)."""
+    slots where only that fits two CTAs per SM), what the task's `q4k_gemv` picks
+    (`cuda_path`), and each `--against` file's batched kernel both ways."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -261,6 +262,19 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int) -> list:
     ]
     if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
         entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
+    for label, other in (others or {}).items():
+        other_kernel = other.cuda_gemv_b1(torch.device("cuda"))
+        if hasattr(other_kernel, "batched") and other_kernel.batched_fits(k // 256, batch):
+
+            def other_batched(x, w, dependent=False, other_kernel=other_kernel):
+                out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+                other_kernel.batched(x, w, out, dependent=dependent)
+                return out
+
+            entries += [
+                (f"{label}_cuda_batched", other_batched),
+                (f"{label}_cuda_batched_pdl", lambda x, w, f=other_batched: f(x, w, dependent=True)),
+            ]
     # two ring slots where that lets a second CTA onto each SM (K = 14336, batches 2-3)
     if (
         hasattr(kernel, "batched_ctas_per_sm")

@@ -405,6 +405,13 @@ __device__ __forceinline__ U4 lds128(u32 addr) {
 __device__ __forceinline__ float byte_to_float(u32 word, u32 selector) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, selector)) - 8388608.f;
 }
+// d * (that byte), rounded exactly as d * byte_to_float(word, selector) is, in one instruction
+// where two were: the FMA takes d * 2^23 (`minus_d_2_23`, exact, once per row) off
+// d * (2^23 + byte) and rounds once. (Only a d of -0 or inf differs: +0 for -0 * byte, NaN for
+// inf * byte.)
+__device__ __forceinline__ float times_byte(float d, float minus_d_2_23, u32 word, u32 selector) {
+  return fmaf(d, __uint_as_float(__byte_perm(word, 0x4B000000u, selector)), minus_d_2_23);
+}
 
 __device__ __forceinline__ u32 opaque(u32 v) {  // a value the compiler must keep, not rebuild
   asm volatile("" : "+r"(v));
@@ -689,10 +696,11 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
             scw = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
             mw = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
           }
-          dsc[2 * r] = d * byte_to_float(scw, pick_even);
-          dsc[2 * r + 1] = d * byte_to_float(scw, pick_odd);
-          dmm[2 * r] = dmin * byte_to_float(mw, pick_even);
-          dmm[2 * r + 1] = dmin * byte_to_float(mw, pick_odd);
+          const float minus_d_2_23 = d * -8388608.f, minus_dmin_2_23 = dmin * -8388608.f;
+          dsc[2 * r] = times_byte(d, minus_d_2_23, scw, pick_even);
+          dsc[2 * r + 1] = times_byte(d, minus_d_2_23, scw, pick_odd);
+          dmm[2 * r] = times_byte(dmin, minus_dmin_2_23, mw, pick_even);
+          dmm[2 * r + 1] = times_byte(dmin, minus_dmin_2_23, mw, pick_odd);
         }
         acc[0] += dsc[0] * m0.x * c[0] - dmm[0] * m0.y;
         acc[1] += dsc[1] * m1.x * c[1] - dmm[1] * m1.y;
@@ -863,13 +871,15 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
         release_slot(empty, slot, lane);
 
         // rows g and g + 8: d, dmin, and the packed 6-bit scales and mins of sub-blocks 0-3, 4-7
-        float d[2], dmin[2];
+        float d[2], dmin[2], minus_d_2_23[2], minus_dmin_2_23[2];  // see times_byte
         u32 sc_w[2][2], m_w[2][2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const U4 h = r ? head_g8 : head_g;
           d[r] = half_to_float((u16)(h.x & 0xFFFFu));
           dmin[r] = half_to_float((u16)(h.x >> 16));
+          minus_d_2_23[r] = d[r] * -8388608.f;
+          minus_dmin_2_23[r] = dmin[r] * -8388608.f;
           sc_w[r][0] = h.y & 0x3F3F3F3Fu;
           m_w[r][0] = h.z & 0x3F3F3F3Fu;
           sc_w[r][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
@@ -898,10 +908,10 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
             }
             const float2 m0 = meta[at + n0], m1 = meta[at + n1];
             const u32 pick = 0x7540u | (s & 3);
-            const float dsc0 = d[0] * byte_to_float(sc_w[0][s >> 2], pick);
-            const float dmm0 = dmin[0] * byte_to_float(m_w[0][s >> 2], pick);
-            const float dsc1 = d[1] * byte_to_float(sc_w[1][s >> 2], pick);
-            const float dmm1 = dmin[1] * byte_to_float(m_w[1][s >> 2], pick);
+            const float dsc0 = times_byte(d[0], minus_d_2_23[0], sc_w[0][s >> 2], pick);
+            const float dmm0 = times_byte(dmin[0], minus_dmin_2_23[0], m_w[0][s >> 2], pick);
+            const float dsc1 = times_byte(d[1], minus_d_2_23[1], sc_w[1][s >> 2], pick);
+            const float dmm1 = times_byte(dmin[1], minus_dmin_2_23[1], m_w[1][s >> 2], pick);
             acc[0] += dsc0 * m0.x * (float)(hi[0] * 256 + lo[0]) - dmm0 * m0.y;
             acc[1] += dsc0 * m1.x * (float)(hi[1] * 256 + lo[1]) - dmm0 * m1.y;
             acc[2] += dsc1 * m0.x * (float)(hi[2] * 256 + lo[2]) - dmm1 * m0.y;
