@@ -145,7 +145,8 @@ def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
     # one CTA per SM: it lost at batch 2 (4096 x 14336) and won from batch 3
     assert path(4096, 2, 1) == "rows" and path(4096, 3, 1) == "batched" and path(4096, 4, 1) == "batched"
     assert path(1024, 8, 1) == "batched"
-    # where it does not fit (K = 14336 from batch 6): per-row launches from 4096 rows, else Triton
+    # where it would not fit (no longer at Llama shapes: K is cut into parts, see below):
+    # per-row launches from 4096 rows, else Triton
     assert path(4096, 8, 0) == "rows" and path(14336, 6, 0) == "rows"
     assert path(1024, 2, 0) is None and path(1024, 2, 1) is None
     # too few rows for either measured CUDA path, or more rows of x than a program takes
@@ -175,6 +176,44 @@ def test_batched_shared_memory_matches_what_was_measured(candidate):
 
     assert [per_sm(16, b) for b in range(2, 9)] == [2, 2, 2, 2, 1, 1, 1]
     assert [per_sm(56, b) for b in range(2, 9)] == [1, 1, 1, 1, 0, 0, 0]
+
+
+def test_batched_kernel_cuts_k_where_x_crowds_out_a_second_cta(candidate, monkeypatch):
+    """Where x of every row leaves room for one CTA per SM or none, the batched kernel cuts K
+    into runs of whole chunks, each CTA holding x of its run only: the fewest equal runs that
+    let two CTAs onto an SM. Occupancy modelled as on the H200 (228 KB per SM, 1 KB reserved
+    per CTA, 227 KB at most per CTA)."""
+    monkeypatch.delenv("LOOM_Q4K_K_PARTS", raising=False)
+
+    def plan(n_blocks, batch):
+        def per_sm(parts):
+            shared = candidate.cuda_batched_shared_bytes(n_blocks, batch, 3, parts)
+            return 0 if shared > 227 * 1024 else min(2, 228 * 1024 // (shared + 1024))
+
+        parts = candidate.batched_k_parts(n_blocks, batch, per_sm)
+        return parts, per_sm(parts)
+
+    # K = 4096 (two chunks): whole up to batch 5, two parts of one chunk from batch 6
+    assert [plan(16, b) for b in range(2, 9)] == [(1, 2)] * 4 + [(2, 2)] * 3
+    # K = 14336 (seven chunks): seven parts of one chunk at every batch (2 or 3 parts would be
+    # uneven, and 4 chunks of x for 8 rows still leave one CTA per SM)
+    assert [plan(56, b) for b in range(2, 9)] == [(7, 2)] * 7
+    # a run is whole chunks; the last part may be short (K = 11008: 43 blocks, 6 chunks)
+    assert candidate.part_blocks(43, 1) == 43 and candidate.part_blocks(43, 2) == 24
+    assert candidate.part_blocks(43, 6) == 8 and candidate.part_blocks(56, 7) == 8
+    assert candidate.cuda_batched_shared_bytes(56, 8, 3, 7) == candidate.cuda_batched_shared_bytes(8, 8, 3)
+    # no part is ever empty: 6 chunks asked into 4 parts are 3 parts of 2, 7 into 5 are 4
+    assert [candidate.whole_parts(43, k) for k in range(1, 9)] == [1, 2, 3, 3, 3, 6, 6, 6]
+    assert candidate.whole_parts(56, 5) == 4 and candidate.whole_parts(56, 7) == 7
+    # the timing override, bounded by the chunks there are
+    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "3")
+    assert candidate.batched_k_parts(56, 8, lambda parts: 2) == 3
+    assert candidate.batched_k_parts(16, 8, lambda parts: 2) == 2
+    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "4")
+    assert candidate.batched_k_parts(43, 8, lambda parts: 2) == 3
+    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "two")
+    with pytest.raises(ValueError, match="LOOM_Q4K_K_PARTS"):
+        candidate.batched_k_parts(56, 8, lambda parts: 2)
 
 
 @pytest.mark.gpu
@@ -221,28 +260,37 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
     base = load("q4k_cuda_test_base_batched", TASK_DIR / "baseline.py")
     kernel = candidate.cuda_gemv_b1(torch.device("cuda"))
     torch.manual_seed(0)
-    cases = [(8, 4096, 4096, "bfloat16", 1.0), (2, 4096, 14336, "bfloat16", 64.0), (3, 1024, 4096, "float16", 1e-3),
-             (5, 4112, 1280, "bfloat16", 1.0), (7, 100, 768, "float16", 1.0), (4, 300, 2048, "bfloat16", 1e4)]
-    for batch, n, k, dtype, scale in cases:
-        assert kernel.batched_fits(k // 256, batch), (batch, n, k)
+    # K cut into parts (third field; 0: the kernel's own cut) as well as whole: seven parts at
+    # K = 14336, uneven parts, a short last chunk in the last part, more parts than tiles need
+    cases = [(8, 4096, 4096, "bfloat16", 1.0, 0), (2, 4096, 14336, "bfloat16", 64.0, 0),
+             (3, 1024, 4096, "float16", 1e-3, 0), (5, 4112, 1280, "bfloat16", 1.0, 0), (7, 100, 768, "float16", 1.0, 0),
+             (4, 300, 2048, "bfloat16", 1e4, 0), (8, 4096, 14336, "bfloat16", 1.0, 0), (6, 4112, 14336, "float16", 1.0, 3),
+             (3, 1040, 11008, "bfloat16", 1.0, 4), (8, 100, 768, "bfloat16", 1.0, 2), (2, 4096, 4096, "float16", 1.0, 2)]
+    for batch, n, k, dtype, scale, k_parts in cases:
+        assert kernel.batched_fits(k // 256, batch, k_parts=k_parts), (batch, n, k, k_parts)
         x, w = task.get_inputs(batch=batch, n=n, k=k, dtype=dtype)
         x, w = (x * scale).cuda(), w.cuda()
         x[:, 64:96] = 0  # a sub-block of zeros in every row
         want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
         got = torch.empty_like(want)
-        kernel.batched(x, w, got)
-        assert task.check(got, want), (batch, n, k, dtype, scale)
-        if candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch)) == "batched":
+        kernel.batched(x, w, got, k_parts=k_parts)
+        assert task.check(got, want), (batch, n, k, dtype, scale, k_parts)
+        again = torch.empty_like(want)
+        kernel.batched(x, w, again, k_parts=k_parts)
+        assert torch.equal(got, again), (batch, n, k, k_parts)  # parts are added in one order
+        if not k_parts and candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch)) == "batched":
             # q4k_gemv picks this kernel here: the same launch, the same bits
             assert torch.equal(candidate.q4k_gemv(x, w), got), (batch, n, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel.batched(x, w, got, dependent=True)
-    x.copy_(torch.flip(x, dims=[0]))
-    graph.replay()
-    torch.cuda.synchronize()
-    want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
-    assert task.check(got, want)
+    assert kernel.batched_k_parts(56, 8) == 7  # the H200's cut at K = 14336 (see the CPU test)
+    for k_parts in (1, 2):  # from a graph, whole and cut (the parts' buffer is the graph's own)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernel.batched(x, w, got, dependent=True, k_parts=k_parts)
+        x.copy_(torch.flip(x, dims=[0]))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
+        assert task.check(got, want), k_parts
 
 
 @pytest.mark.gpu

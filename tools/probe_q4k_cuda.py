@@ -238,8 +238,9 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int, others: dict | Non
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
     the others always dependents), the batched CUDA kernel where it fits (and with two ring
-    slots where only that fits two CTAs per SM), what the task's `q4k_gemv` picks
-    (`cuda_path`), and each `--against` file's batched kernel both ways."""
+    slots where only that fits two CTAs per SM, and over the whole of K where it cuts K into
+    parts), what the task's `q4k_gemv` picks (`cuda_path`), and each `--against` file's
+    batched kernel both ways."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -262,6 +263,14 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int, others: dict | Non
     ]
     if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
         entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
+    # K cut into parts where x of every row leaves no room for two CTAs per SM: against the
+    # kernel over the whole of K where that fits at all
+    k_parts = kernel.batched_k_parts(k // 256, batch) if hasattr(kernel, "batched_k_parts") else 1
+    if k_parts > 1 and kernel.batched_fits(k // 256, batch, k_parts=1):
+        entries += [
+            ("cuda_batched_k1", lambda x, w: batched(x, w, k_parts=1)),
+            ("cuda_batched_k1_pdl", lambda x, w: batched(x, w, dependent=True, k_parts=1)),
+        ]
     for label, other in (others or {}).items():
         other_kernel = other.cuda_gemv_b1(torch.device("cuda"))
         if hasattr(other_kernel, "batched") and other_kernel.batched_fits(k // 256, batch):

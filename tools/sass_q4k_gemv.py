@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 KERNELS = {  # kernel -> mangled name (the signatures of kernels/q4k_gemv/candidate.py)
     "b1": "_Z18q4k_gemv_b1_kernelILb1EEvPKhPKtPtiiiii",  # K a whole number of chunks
     "b1_partial": "_Z18q4k_gemv_b1_kernelILb0EEvPKhPKtPtiiiii",
-    "bn": "_Z18q4k_gemv_bn_kernelPKhPKtPtiiiii",
+    "bn": "_Z18q4k_gemv_bn_kernelPKhPKtPtPfiiiiii",
 }
 _LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 

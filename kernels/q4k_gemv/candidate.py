@@ -524,14 +524,15 @@ __device__ __forceinline__ void next_slot(int& slot, int& round, int stages) {
 // one bulk copy per row (lanes 0-15), each slot refilled once its consumers have released it.
 // Launched as a programmatic dependent, it streams the first `before_wait` items while the
 // kernel ahead still runs and the rest once that kernel has ended (see items_before_wait).
-__device__ __forceinline__ void produce(const unsigned char* __restrict__ W, int n_rows, int n_blocks, int items,
-                                        int n_chunks, int stages, int before_wait, u32 ring, u32 full, u32 empty,
-                                        int lane) {
-  const long long row_bytes = (long long)n_blocks * BLOCK_BYTES;
+// The CTA's tiles are first_tile, first_tile + tile_step, ...; `W` points at the first of the
+// `n_blocks` blocks of each row it reads, rows `row_bytes` apart.
+__device__ __forceinline__ void produce(const unsigned char* __restrict__ W, long long row_bytes, int n_rows,
+                                        int n_blocks, int items, int n_chunks, int stages, int before_wait,
+                                        u32 ring, u32 full, u32 empty, int lane, int first_tile, int tile_step) {
   for (int i = 0, slot = 0, round = 0; i < items; ++i) {
     if (i == before_wait) asm volatile("griddepcontrol.wait;" ::: "memory");
     const int chunk = i % n_chunks;
-    const int tile = (int)blockIdx.x + (i / n_chunks) * (int)gridDim.x;
+    const int tile = first_tile + (i / n_chunks) * tile_step;
     if (round > 0) bar_wait(empty + 8 * slot, (round - 1) & 1);
     const u32 bytes = min(CHUNK_BLOCKS, n_blocks - chunk * CHUNK_BLOCKS) * BLOCK_BYTES;
     if (lane == 0) bar_expect(full + 8 * slot, ROWS * bytes);
@@ -583,7 +584,8 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   ring_init(zero_line, full, empty, stages, tid);
 
   if (warp == WARPS) {  // the producer
-    produce(W, n_rows, n_blocks, items, n_chunks, stages, before_wait, ring, full, empty, lane);
+    produce(W, (long long)n_blocks * BLOCK_BYTES, n_rows, n_blocks, items, n_chunks, stages, before_wait, ring,
+            full, empty, lane, (int)blockIdx.x, (int)gridDim.x);
     return;
   }
 
@@ -792,6 +794,10 @@ bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n
 // x in shared memory, per block b, sub-block s, row n of x: 64 B, for t = 0..3 the 8 high
 // bytes then the 8 low bytes of values 8t .. 8t+7 (one 16-byte load per lane and sub-block);
 // meta per (b, s, n): (unscale, sum of x), with the high-nibble sub-blocks' 1/16 folded in.
+// Where x of every row does not leave room for two CTAs per SM (K = 14336 from batch 2), K is
+// cut into `k_parts` runs of whole chunks: CTA c works on part c % k_parts only (x of that part
+// only, and its tiles c / k_parts, + gridDim.x / k_parts, ...), and writes float sums per part
+// into `parts` [k_parts][batch][n_rows], which q4k_sum_parts_kernel adds in part order into y.
 #define MAX_BATCH 8
 __device__ __forceinline__ uint2 lds64(u32 addr) {
   uint2 v;
@@ -801,15 +807,23 @@ __device__ __forceinline__ uint2 lds64(u32 addr) {
 
 __global__ void __launch_bounds__((WARPS + 1) * 32, 2)
 q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ x, u16* __restrict__ y,
-                   int n_rows, int n_blocks, int batch, int x_is_bf16, int stages) {
+                   float* __restrict__ parts, int n_rows, int k_blocks, int batch, int x_is_bf16, int stages,
+                   int k_parts) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int n_chunks = (n_blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+  // This CTA's part of K: chunks first_chunk .. + n_chunks - 1, blocks block0 .. + n_blocks - 1
+  const int my_part = (int)blockIdx.x % k_parts, ctas = (int)gridDim.x / k_parts, cta = (int)blockIdx.x / k_parts;
+  const int all_chunks = (k_blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+  const int part_chunks = (all_chunks + k_parts - 1) / k_parts;
+  const int first_chunk = my_part * part_chunks;
+  const int n_chunks = max(min(part_chunks, all_chunks - first_chunk), 0);  // > 0: the host cuts no empty part
+  const int block0 = first_chunk * CHUNK_BLOCKS;
+  const int n_blocks = max(min(part_chunks * CHUNK_BLOCKS, k_blocks - block0), 0);
   const int n_tiles = (n_rows + ROWS - 1) / ROWS;
-  const int my_tiles = (n_tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+  const int my_tiles = n_chunks > 0 ? (n_tiles - cta + ctas - 1) / ctas : 0;
   const int items = my_tiles * n_chunks;
-  const int K = n_blocks * 256;
+  const int K = k_blocks * 256;
 
   unsigned char* xs = smem + stages * SLOT_BYTES;                        // [n_blocks][8][batch][64 B]
   float2* meta = reinterpret_cast<float2*>(xs + n_blocks * 8 * batch * 64);  // [n_blocks][8][batch]
@@ -822,7 +836,8 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   ring_init(zero_line, full, empty, stages, tid);
 
   if (warp == WARPS) {  // the producer, as at batch 1, its whole ring ahead of the kernel before
-    produce(W, n_rows, n_blocks, items, n_chunks, stages, items, ring, full, empty, lane);
+    produce(W + (long long)block0 * BLOCK_BYTES, (long long)k_blocks * BLOCK_BYTES, n_rows, n_blocks, items,
+            n_chunks, stages, items, ring, full, empty, lane, cta, ctas);
     return;
   }
 
@@ -834,7 +849,7 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     const int s = lane >> 2, part = lane & 3;
     for (int n = 0; n < batch; ++n) {
       for (int b = warp; b < n_blocks; b += WARPS) {
-        const U4 raw = *reinterpret_cast<const U4*>(x + (long long)n * K + b * 256 + s * 32 + part * 8);
+        const U4 raw = *reinterpret_cast<const U4*>(x + (long long)n * K + (block0 + b) * 256 + s * 32 + part * 8);
         const XBytes xb = x_as_bytes<false>(raw, x_is_bf16);
         const int at = (b * 8 + s) * batch + n;
         *reinterpret_cast<U4*>(xs + at * 64 + part * 16) = U4{xb.hi[0], xb.hi[1], xb.lo[0], xb.lo[1]};
@@ -912,10 +927,12 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
             const float dmm0 = times_byte(dmin[0], minus_dmin_2_23[0], m_w[0][s >> 2], pick);
             const float dsc1 = times_byte(d[1], minus_d_2_23[1], sc_w[1][s >> 2], pick);
             const float dmm1 = times_byte(dmin[1], minus_dmin_2_23[1], m_w[1][s >> 2], pick);
-            acc[0] += dsc0 * m0.x * (float)(hi[0] * 256 + lo[0]) - dmm0 * m0.y;
-            acc[1] += dsc0 * m1.x * (float)(hi[1] * 256 + lo[1]) - dmm0 * m1.y;
-            acc[2] += dsc1 * m0.x * (float)(hi[2] * 256 + lo[2]) - dmm1 * m0.y;
-            acc[3] += dsc1 * m1.x * (float)(hi[3] * 256 + lo[3]) - dmm1 * m1.y;
+            // two FMAs per output where an FMUL, an FFMA and an FADD were (a different rounding
+            // from the batch-1 kernel's, as precise)
+            acc[0] = fmaf(-dmm0, m0.y, fmaf(dsc0 * m0.x, (float)(hi[0] * 256 + lo[0]), acc[0]));
+            acc[1] = fmaf(-dmm0, m1.y, fmaf(dsc0 * m1.x, (float)(hi[1] * 256 + lo[1]), acc[1]));
+            acc[2] = fmaf(-dmm1, m0.y, fmaf(dsc1 * m0.x, (float)(hi[2] * 256 + lo[2]), acc[2]));
+            acc[3] = fmaf(-dmm1, m1.y, fmaf(dsc1 * m1.x, (float)(hi[3] * 256 + lo[3]), acc[3]));
           }
         }
       } else {
@@ -932,13 +949,31 @@ q4k_gemv_bn_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
     sums[(warp * ROWS + g + 8) * MAX_BATCH + 2 * t + 1] = acc[3];
     asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
     const int r = tid / MAX_BATCH, n = tid % MAX_BATCH;  // 128 of the 256 consumer threads
-    const int row = ((int)blockIdx.x + tile_iter * (int)gridDim.x) * ROWS + r;
+    // (the CTA's place, from blockIdx again: registers are short in the loop above)
+    const int row = ((int)blockIdx.x / k_parts + tile_iter * ((int)gridDim.x / k_parts)) * ROWS + r;
     if (tid < ROWS * MAX_BATCH && n < batch && row < n_rows) {
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) total += sums[(w * ROWS + r) * MAX_BATCH + n];
-      y[(long long)n * n_rows + row] = from_float(total, x_is_bf16);
+      if (k_parts == 1) {
+        y[(long long)n * n_rows + row] = from_float(total, x_is_bf16);
+      } else {
+        parts[((long long)((int)blockIdx.x % k_parts) * batch + n) * n_rows + row] = total;
+      }
     }
+  }
+}
+
+// y = the parts' sums added in part order (the same bits however the CTAs ran), as a
+// programmatic dependent of the batched kernel: it starts while that kernel ends.
+__global__ void q4k_sum_parts_kernel(const float* __restrict__ parts, u16* __restrict__ y, int count, int k_parts,
+                                     int x_is_bf16) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+    float total = parts[i];
+    for (int p = 1; p < k_parts; ++p) total += parts[(long long)p * count + i];
+    y[i] = from_float(total, x_is_bf16);
   }
 }
 
@@ -955,14 +990,24 @@ int q4k_gemv_bn_resident(int shared_bytes) {
   return per_sm;
 }
 
-bool q4k_gemv_bn_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks, int batch,
-                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+// `grid`: a multiple of k_parts; `parts`: k_parts * batch * n_rows floats where k_parts > 1.
+bool q4k_gemv_bn_launch(const void* W, const void* x, void* y, void* parts, int n_rows, int n_blocks, int batch,
+                        int x_is_bf16, int stages, int k_parts, int grid, int shared_bytes, int dependent,
                         cudaStream_t stream) {
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = launch_config(grid, shared_bytes, dependent, stream, &attribute);
-  return cudaLaunchKernelEx(&config, q4k_gemv_bn_kernel, static_cast<const unsigned char*>(W),
-                            static_cast<const u16*>(x), static_cast<u16*>(y), n_rows, n_blocks, batch,
-                            x_is_bf16, stages) == cudaSuccess;
+  if (cudaLaunchKernelEx(&config, q4k_gemv_bn_kernel, static_cast<const unsigned char*>(W),
+                         static_cast<const u16*>(x), static_cast<u16*>(y), static_cast<float*>(parts), n_rows,
+                         n_blocks, batch, x_is_bf16, stages, k_parts) != cudaSuccess)
+    return false;
+  if (k_parts == 1) return true;
+  const int count = batch * n_rows, threads = 256;
+  cudaLaunchAttribute sum_attribute;
+  cudaLaunchConfig_t sum_config = launch_config(min((count + threads - 1) / threads, 1024), 0, 1, stream,
+                                                &sum_attribute);
+  sum_config.blockDim = dim3(threads);
+  return cudaLaunchKernelEx(&sum_config, q4k_sum_parts_kernel, static_cast<const float*>(parts),
+                            static_cast<u16*>(y), count, k_parts, x_is_bf16) == cudaSuccess;
 }
 """
 
@@ -979,18 +1024,19 @@ bool q4k_gemv_b1_launch(const void* W, const void* x, void* y, int n_rows, int n
 
 bool q4k_gemv_bn_allow(int max_bytes);
 int q4k_gemv_bn_resident(int shared_bytes);
-bool q4k_gemv_bn_launch(const void* W, const void* x, void* y, int n_rows, int n_blocks, int batch,
-                        int x_is_bf16, int stages, int grid, int shared_bytes, int dependent,
+bool q4k_gemv_bn_launch(const void* W, const void* x, void* y, void* parts, int n_rows, int n_blocks, int batch,
+                        int x_is_bf16, int stages, int k_parts, int grid, int shared_bytes, int dependent,
                         cudaStream_t stream);
 
 bool allow(int64_t max_bytes) { return q4k_gemv_b1_allow((int)max_bytes) && q4k_gemv_bn_allow((int)max_bytes); }
 int64_t resident_batched(int64_t shared_bytes) { return q4k_gemv_bn_resident((int)shared_bytes); }
 
-void launch_batched(torch::Tensor weight, torch::Tensor x, torch::Tensor out, int64_t stages, int64_t grid,
-                    int64_t shared_bytes, bool dependent) {
-  const bool ok = q4k_gemv_bn_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), (int)weight.size(0),
-                                     (int)(weight.size(1) / 144), (int)x.size(0), x.scalar_type() == at::kBFloat16,
-                                     (int)stages, (int)grid, (int)shared_bytes, dependent,
+void launch_batched(torch::Tensor weight, torch::Tensor x, torch::Tensor out, torch::Tensor parts, int64_t stages,
+                    int64_t k_parts, int64_t grid, int64_t shared_bytes, bool dependent) {
+  const bool ok = q4k_gemv_bn_launch(weight.data_ptr(), x.data_ptr(), out.data_ptr(), parts.data_ptr(),
+                                     (int)weight.size(0), (int)(weight.size(1) / 144), (int)x.size(0),
+                                     x.scalar_type() == at::kBFloat16, (int)stages, (int)k_parts, (int)grid,
+                                     (int)shared_bytes, dependent,
                                      c10::cuda::getCurrentCUDAStream(x.get_device()).stream());
   TORCH_CHECK(ok, "q4k_gemv_bn launch failed: ", cudaGetErrorString(cudaGetLastError()));
 }
@@ -1095,9 +1141,44 @@ def _shared_bytes(n_blocks: int, stages: int, x_rows: int, sum_rows: int) -> int
     )
 
 
-def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int) -> int:
-    """The batched kernel's: x for every row, partial sums laid out for 8 rows of x."""
-    return _shared_bytes(n_blocks, stages, batch, MAX_BATCH_PER_PROGRAM)
+def part_blocks(n_blocks: int, k_parts: int) -> int:
+    """Q4_K blocks per row in the largest of `k_parts` runs of whole chunks that cut K."""
+    chunks = -(-n_blocks // CUDA_CHUNK_BLOCKS)
+    return min(-(-chunks // k_parts) * CUDA_CHUNK_BLOCKS, n_blocks)
+
+
+def whole_parts(n_blocks: int, k_parts: int) -> int:
+    """The parts K is really cut into when asked for `k_parts`: runs of the same whole number of
+    chunks leave none empty (6 chunks in 4 parts are 3 parts of 2; an empty part would leave its
+    sums unwritten)."""
+    chunks = -(-n_blocks // CUDA_CHUNK_BLOCKS)
+    per_part = -(-chunks // max(1, min(k_parts, chunks)))
+    return -(-chunks // per_part)
+
+
+def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int, k_parts: int = 1) -> int:
+    """The batched kernel's: x of its part of K for every row, partial sums laid out for 8 rows
+    of x."""
+    return _shared_bytes(part_blocks(n_blocks, k_parts), stages, batch, MAX_BATCH_PER_PROGRAM)
+
+
+def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm) -> int:
+    """How many parts the batched kernel cuts K into: none (1) where x of every row leaves room
+    for two CTAs per SM; else the fewest parts of equal whole chunks that do (K = 14336, seven
+    chunks: seven parts from batch 2), or failing that the fewest that do at all; 1 where none
+    does. `ctas_per_sm(k_parts)`: CTAs per SM with that cut (0: none fits). LOOM_Q4K_K_PARTS
+    sets it for timing (1 to the number of chunks)."""
+    chunks = -(-n_blocks // CUDA_CHUNK_BLOCKS)
+    forced = os.environ.get("LOOM_Q4K_K_PARTS", "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"LOOM_Q4K_K_PARTS must be a whole number of parts, not {forced!r}")
+        return whole_parts(n_blocks, int(forced))
+    if ctas_per_sm(1) >= 2:
+        return 1
+    two = [parts for parts in range(2, chunks + 1) if ctas_per_sm(parts) >= 2]
+    even = [parts for parts in two if chunks % parts == 0]
+    return (even or two or [1])[0]
 
 
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
@@ -1186,20 +1267,31 @@ class CudaGemvB1:
         resident = self._resident(self.shared_bytes(n_blocks, follows_small_kernel))
         return balanced_grid(n_rows, self.sms * (self.ctas_per_sm or max(resident, 1)))
 
-    def batched_ctas_per_sm(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
-        """CTAs of the batched kernel an SM holds at this K, batch and ring depth; 0: none fits."""
-        if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
-            return 0
-        key = (n_blocks, batch, stages)
+    def _batched_per_sm(self, n_blocks: int, batch: int, stages: int, k_parts: int) -> int:
+        k_parts = whole_parts(n_blocks, k_parts)
+        key = (n_blocks, batch, stages, k_parts)
         if key not in self.batched_per_sm:
-            shared = cuda_batched_shared_bytes(n_blocks, batch, stages)
+            shared = cuda_batched_shared_bytes(n_blocks, batch, stages, k_parts)
             fits = shared <= self.max_shared
             self.batched_per_sm[key] = int(self.module.resident_batched(shared)) if fits else 0
         return self.batched_per_sm[key]
 
-    def batched_fits(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> bool:
+    def batched_k_parts(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
+        """The parts of K the batched kernel takes here (`batched_k_parts`)."""
+        return batched_k_parts(n_blocks, batch, lambda parts: self._batched_per_sm(n_blocks, batch, stages, parts))
+
+    def batched_ctas_per_sm(
+        self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0
+    ) -> int:
+        """CTAs of the batched kernel an SM holds at this K, batch and ring depth, K cut into
+        `k_parts` (0: as `batched_k_parts` cuts it); 0: none fits."""
+        if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
+            return 0
+        return self._batched_per_sm(n_blocks, batch, stages, k_parts or self.batched_k_parts(n_blocks, batch, stages))
+
+    def batched_fits(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0) -> bool:
         """Whether the batched kernel's shared memory fits a CTA at this K, batch and ring depth."""
-        return self.batched_ctas_per_sm(n_blocks, batch, stages) > 0
+        return self.batched_ctas_per_sm(n_blocks, batch, stages, k_parts) > 0
 
     def batched(
         self,
@@ -1208,13 +1300,20 @@ class CudaGemvB1:
         out: torch.Tensor,
         dependent: bool = False,
         stages: int = CUDA_BATCHED_STAGES,
+        k_parts: int = 0,
     ) -> None:
-        """Batches 2-8 in one launch that reads the weight once (`batched_fits` first)."""
-        n_rows, n_blocks = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES
-        shared = cuda_batched_shared_bytes(n_blocks, x.shape[0], stages)
-        grid = balanced_grid(n_rows, self.sms * max(self.batched_ctas_per_sm(n_blocks, x.shape[0], stages), 1))
+        """Batches 2-8 in one launch that reads the weight once (`batched_fits` first); where K
+        is cut into parts (`k_parts`, 0: `batched_k_parts`), a second small launch adds the
+        parts' float sums into `out`."""
+        n_rows, n_blocks, batch = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES, x.shape[0]
+        k_parts = whole_parts(n_blocks, k_parts) if k_parts else self.batched_k_parts(n_blocks, batch, stages)
+        shared = cuda_batched_shared_bytes(n_blocks, batch, stages, k_parts)
+        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, batch, stages, k_parts), 1)
+        grid = k_parts * balanced_grid(n_rows, max(resident // k_parts, 1))  # the same CTAs for every part
+        parts = torch.empty((k_parts, batch, n_rows) if k_parts > 1 else (0,), dtype=torch.float32, device=x.device)
         self.module.launch_batched(
-            weight_q4k, x, out, stages, grid, shared, dependent and os.environ.get("LOOM_Q4K_PDL") != "0"
+            weight_q4k, x, out, parts, stages, k_parts, grid, shared,
+            dependent and os.environ.get("LOOM_Q4K_PDL") != "0",
         )
 
     def __call__(
@@ -1283,7 +1382,14 @@ def cuda_path(n_rows: int, batch: int, batched_ctas_per_sm: int) -> str | None:
     PDL: batch 3 30.34 against 27.33, batch 5 49.20 against 34.35); from batch 6 it does not
     fit. Batches 6 and 7 at K = 4096 (one CTA per SM) won too: 4096 x 4096 batch 7 26.98
     against 12.38. Per-row launches beat the Triton kernel from 4096 rows (tenth session: batch
-    8 at 4096 x 4096 30.9 against 60.1 µs) but not at 1024 x 4096 (26.4 against 12.3)."""
+    8 at 4096 x 4096 30.9 against 60.1 µs) but not at 1024 x 4096 (26.4 against 12.3).
+
+    Since the batched kernel cuts K into parts where x would crowd out a second CTA per SM
+    (`batched_k_parts`), it holds two CTAs per SM at every Llama shape and batch, and won
+    everywhere (fourteenth session, three rounds, PDL, µs, cut / whole K / per-row launches):
+    4096 x 14336 batch 2 18.64 (7 parts) / 24.41 / 20.61, batch 4 19.66 / 31.07 / 38.69, batch 8
+    21.36 / does not fit / 75.12; K = 4096 at batch 8 (2 parts) 11.08 / 13.39 / 29.02 at 4096 x
+    4096, 20.30 / 25.16 / 73.94 at 14336 x 4096, 7.95 / 10.80 / 24.86 at 1024 x 4096."""
     if batch == 1:
         return "rows"
     if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
