@@ -17,7 +17,8 @@
 #   cuda        the candidate's CUDA batch-1 Q4_K GEMV: checks, then timed against its Triton kernel
 #               (CUDA_AGAINST=path/to/other/candidate.py: and against that file's CUDA kernel;
 #               CUDA_CANDIDATE=path: another file in the candidate's place; CUDA_BATCH=N: batch N,
-#               Triton against one CUDA launch per row; CUDA_VARIANTS,
+#               Triton against one CUDA launch per row; CUDA_K_PARTS=1,2,7: the batched kernel
+#               also with K cut into those numbers of parts; CUDA_VARIANTS,
 #               CUDA_ROUNDS, CUDA_TIMEOUT: see tools/probe_q4k_cuda.py --help)
 #   ncu         Nsight Compute on that kernel ($NCU_SHAPE, default 14336x4096): where warps stall
 #   timeline    that kernel CTA by CTA from the global timer, with and without its arithmetic
@@ -66,7 +67,7 @@ case "$phase" in
     timeout 200 python3 tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
   cuda)
     timeout "${CUDA_TIMEOUT:-400}" python3 tools/probe_q4k_cuda.py --out "$out" --rounds "${CUDA_ROUNDS:-1}" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} \
-      ${CUDA_AGAINST:+--against $CUDA_AGAINST} ${CUDA_CANDIDATE:+--candidate $CUDA_CANDIDATE} ${CUDA_BATCH:+--batch $CUDA_BATCH} 2>&1 | grep -v Warn | tail -24 ;;
+      ${CUDA_AGAINST:+--against $CUDA_AGAINST} ${CUDA_CANDIDATE:+--candidate $CUDA_CANDIDATE} ${CUDA_BATCH:+--batch $CUDA_BATCH} ${CUDA_K_PARTS:+--k-parts $CUDA_K_PARTS} 2>&1 | grep -v Warn | tail -24 ;;
   ncu)
     timeout 400 python3 tools/ncu_q4k_gemv.py --out "$out" --shape "${NCU_SHAPE:-14336x4096}" 2>&1 | grep -v Warn | tail -45 ;;
   timeline)

@@ -105,6 +105,12 @@ def main() -> int:
         help="other candidate.py files (comma-separated; say, the last commit's) whose CUDA kernels "
         "are checked and timed beside this one's, in the same run; each is named by its folder",
     )
+    parser.add_argument(
+        "--k-parts",
+        default="",
+        help="at --batch N > 1: the batched kernel also with K cut into these numbers of parts "
+        "(comma-separated, e.g. 1,2,7), beside its own cut; by default 1 where it cuts K",
+    )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "cuda_probe_base")
@@ -165,7 +171,8 @@ def main() -> int:
         sets = rotating_sets(make, n * k // 256 * 144)
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
         if args.batch > 1:
-            timed = batched_entries(cand, kernel, n, k, args.batch, others)
+            k_parts = [int(p) for p in filter(None, args.k_parts.split(","))]
+            timed = batched_entries(cand, kernel, n, k, args.batch, others, k_parts)
             x0, w0 = sets[0]
             want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
             for name, fn in timed:
@@ -234,7 +241,9 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
     return timed
 
 
-def batched_entries(cand, kernel, n: int, k: int, batch: int, others: dict | None = None) -> list:
+def batched_entries(
+    cand, kernel, n: int, k: int, batch: int, others: dict | None = None, k_parts: list[int] | None = None
+) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
     the others always dependents), the batched CUDA kernel where it fits (and with two ring
@@ -263,14 +272,18 @@ def batched_entries(cand, kernel, n: int, k: int, batch: int, others: dict | Non
     ]
     if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
         entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
-    # K cut into parts where x of every row leaves no room for two CTAs per SM: against the
-    # kernel over the whole of K where that fits at all
-    k_parts = kernel.batched_k_parts(k // 256, batch) if hasattr(kernel, "batched_k_parts") else 1
-    if k_parts > 1 and kernel.batched_fits(k // 256, batch, k_parts=1):
-        entries += [
-            ("cuda_batched_k1", lambda x, w: batched(x, w, k_parts=1)),
-            ("cuda_batched_k1_pdl", lambda x, w: batched(x, w, dependent=True, k_parts=1)),
-        ]
+    # K cut into other numbers of parts (by default: over the whole of K, where the kernel's
+    # own cut is more than one part), each where it fits
+    if hasattr(kernel, "batched_k_parts"):
+        own = kernel.batched_k_parts(k // 256, batch)
+        wanted = {cand.whole_parts(k // 256, parts) for parts in k_parts or ([1] if own > 1 else [])}
+        for parts in sorted(wanted - {own}):
+            if not kernel.batched_fits(k // 256, batch, k_parts=parts):
+                continue
+            entries += [
+                (f"cuda_batched_k{parts}", lambda x, w, p=parts: batched(x, w, k_parts=p)),
+                (f"cuda_batched_k{parts}_pdl", lambda x, w, p=parts: batched(x, w, dependent=True, k_parts=p)),
+            ]
     for label, other in (others or {}).items():
         other_kernel = other.cuda_gemv_b1(torch.device("cuda"))
         if hasattr(other_kernel, "batched") and other_kernel.batched_fits(k // 256, batch):
