@@ -185,19 +185,26 @@ def test_batched_kernel_cuts_k_where_x_crowds_out_a_second_cta(candidate, monkey
     per CTA, 227 KB at most per CTA)."""
     monkeypatch.delenv("LOOM_Q4K_K_PARTS", raising=False)
 
-    def plan(n_blocks, batch):
+    def plan(n_blocks, batch, n_rows=4096):
         def per_sm(parts):
             shared = candidate.cuda_batched_shared_bytes(n_blocks, batch, 3, parts)
             return 0 if shared > 227 * 1024 else min(2, 228 * 1024 // (shared + 1024))
 
-        parts = candidate.batched_k_parts(n_blocks, batch, per_sm)
+        parts = candidate.batched_k_parts(n_blocks, batch, per_sm, n_rows, 132)
         return parts, per_sm(parts)
 
-    # K = 4096 (two chunks): whole up to batch 5, two parts of one chunk from batch 6
-    assert [plan(16, b) for b in range(2, 9)] == [(1, 2)] * 4 + [(2, 2)] * 3
+    # K = 4096 (two chunks), 4096 rows: whole at batches 2 and 3, two parts of one chunk from
+    # batch 4 (from batch 6 two CTAs per SM need them)
+    assert [plan(16, b) for b in range(2, 9)] == [(1, 2)] * 2 + [(2, 2)] * 5
+    # 1024 rows are 64 tiles: whole K would keep 64 of the 264 resident CTAs busy
+    assert plan(16, 2, 1024) == (2, 2) and plan(16, 3, 14336) == (1, 2)
     # K = 14336 (seven chunks): seven parts of one chunk at every batch (2 or 3 parts would be
     # uneven, and 4 chunks of x for 8 rows still leave one CTA per SM)
     assert [plan(56, b) for b in range(2, 9)] == [(7, 2)] * 7
+    assert plan(56, 2, 100) == (7, 2)  # no more parts than there are chunks
+    # without a row count, no filling: the fewest parts that fit two CTAs (and two from batch 4)
+    assert candidate.batched_k_parts(16, 2, lambda parts: 2) == 1
+    assert candidate.batched_k_parts(16, 4, lambda parts: 2) == 2
     # a run is whole chunks; the last part may be short (K = 11008: 43 blocks, 6 chunks)
     assert candidate.part_blocks(43, 1) == 43 and candidate.part_blocks(43, 2) == 24
     assert candidate.part_blocks(43, 6) == 8 and candidate.part_blocks(56, 7) == 8
@@ -267,7 +274,7 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
              (4, 300, 2048, "bfloat16", 1e4, 0), (8, 4096, 14336, "bfloat16", 1.0, 0), (6, 4112, 14336, "float16", 1.0, 3),
              (3, 1040, 11008, "bfloat16", 1.0, 4), (8, 100, 768, "bfloat16", 1.0, 2), (2, 4096, 4096, "float16", 1.0, 2)]
     for batch, n, k, dtype, scale, k_parts in cases:
-        assert kernel.batched_fits(k // 256, batch, k_parts=k_parts), (batch, n, k, k_parts)
+        assert kernel.batched_fits(k // 256, batch, n, k_parts=k_parts), (batch, n, k, k_parts)
         x, w = task.get_inputs(batch=batch, n=n, k=k, dtype=dtype)
         x, w = (x * scale).cuda(), w.cuda()
         x[:, 64:96] = 0  # a sub-block of zeros in every row
@@ -278,10 +285,10 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
         again = torch.empty_like(want)
         kernel.batched(x, w, again, k_parts=k_parts)
         assert torch.equal(got, again), (batch, n, k, k_parts)  # parts are added in one order
-        if not k_parts and candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch)) == "batched":
+        if not k_parts and candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch, n)) == "batched":
             # q4k_gemv picks this kernel here: the same launch, the same bits
             assert torch.equal(candidate.q4k_gemv(x, w), got), (batch, n, k)
-    assert kernel.batched_k_parts(56, 8) == 7  # the H200's cut at K = 14336 (see the CPU test)
+    assert kernel.batched_k_parts(56, 8, 4096) == 7  # the H200's cut at K = 14336 (see the CPU test)
     for k_parts in (1, 2):  # from a graph, whole and cut (the parts' buffer is the graph's own)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -22,6 +22,7 @@ place. Writes probe_q4k_cuda.json.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -270,15 +271,15 @@ def batched_entries(
         ("cuda_rows", rows),
         ("cuda_rows_pdl", lambda x, w: rows(x, w, dependent=True)),
     ]
-    if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch):
+    if hasattr(kernel, "batched") and kernel.batched_fits(k // 256, batch, n):
         entries += [("cuda_batched", batched), ("cuda_batched_pdl", lambda x, w: batched(x, w, dependent=True))]
     # K cut into other numbers of parts (by default: over the whole of K, where the kernel's
     # own cut is more than one part), each where it fits
     if hasattr(kernel, "batched_k_parts"):
-        own = kernel.batched_k_parts(k // 256, batch)
+        own = kernel.batched_k_parts(k // 256, batch, n)
         wanted = {cand.whole_parts(k // 256, parts) for parts in k_parts or ([1] if own > 1 else [])}
         for parts in sorted(wanted - {own}):
-            if not kernel.batched_fits(k // 256, batch, k_parts=parts):
+            if not kernel.batched_fits(k // 256, batch, n, k_parts=parts):
                 continue
             entries += [
                 (f"cuda_batched_k{parts}", lambda x, w, p=parts: batched(x, w, k_parts=p)),
@@ -286,7 +287,10 @@ def batched_entries(
             ]
     for label, other in (others or {}).items():
         other_kernel = other.cuda_gemv_b1(torch.device("cuda"))
-        if hasattr(other_kernel, "batched") and other_kernel.batched_fits(k // 256, batch):
+        # (files from before the batched kernel took the row count: batched_fits(n_blocks, batch))
+        takes_rows = "n_rows" in inspect.signature(getattr(other_kernel, "batched_fits", print)).parameters
+        fits_args = (k // 256, batch, n) if takes_rows else (k // 256, batch)
+        if hasattr(other_kernel, "batched") and other_kernel.batched_fits(*fits_args):
 
             def other_batched(x, w, dependent=False, other_kernel=other_kernel):
                 out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -300,7 +304,7 @@ def batched_entries(
     # two ring slots where that lets a second CTA onto each SM (K = 14336, batches 2-3)
     if (
         hasattr(kernel, "batched_ctas_per_sm")
-        and kernel.batched_ctas_per_sm(k // 256, batch, 2) > kernel.batched_ctas_per_sm(k // 256, batch)
+        and kernel.batched_ctas_per_sm(k // 256, batch, n, 2) > kernel.batched_ctas_per_sm(k // 256, batch, n)
     ):
         entries += [
             ("cuda_batched_s2", lambda x, w: batched(x, w, stages=2)),

@@ -1162,12 +1162,20 @@ def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int, k_parts: i
     return _shared_bytes(part_blocks(n_blocks, k_parts), stages, batch, MAX_BATCH_PER_PROGRAM)
 
 
-def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm) -> int:
-    """How many parts the batched kernel cuts K into: none (1) where x of every row leaves room
-    for two CTAs per SM; else the fewest parts of equal whole chunks that do (K = 14336, seven
-    chunks: seven parts from batch 2), or failing that the fewest that do at all; 1 where none
-    does. `ctas_per_sm(k_parts)`: CTAs per SM with that cut (0: none fits). LOOM_Q4K_K_PARTS
-    sets it for timing (1 to the number of chunks)."""
+def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm, n_rows: int = 0, sms: int = 0) -> int:
+    """How many parts the batched kernel cuts K into.
+
+    First, room for two CTAs per SM: none (1) where x of every row leaves it; else the fewest
+    parts of equal whole chunks that do (K = 14336, seven chunks: seven parts from batch 2), or
+    failing that the fewest that do at all. Then two equal parts from batch 4 where K is whole
+    (less of x to make per CTA), and more equal parts while the tiles of `n_rows` would keep
+    fewer than half of the `sms` x CTAs-per-SM resident CTAs busy. H200, fourteenth session,
+    PDL, µs, whole K against two parts: K = 4096 batch 4 9.68 / 9.33 (4096²), 19.32 / 18.34
+    (14336x4096); batch 5 10.52 / 9.55, 20.78 / 19.30; batch 2 7.44 / 8.04 and 17.42 / 17.22;
+    1024x4096 (64 tiles) batch 2 5.68 / 3.98, batch 4 7.67 / 5.14; at K = 14336 seven parts
+    against four: batch 2 17.88 / 18.88, batch 4 19.40 / 21.10.
+    `ctas_per_sm(k_parts)`: CTAs per SM with that cut (0: none fits); 1 where nothing fits.
+    LOOM_Q4K_K_PARTS sets it for timing (`whole_parts` of it)."""
     chunks = -(-n_blocks // CUDA_CHUNK_BLOCKS)
     forced = os.environ.get("LOOM_Q4K_K_PARTS", "").strip()
     if forced:
@@ -1175,10 +1183,19 @@ def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm) -> int:
             raise ValueError(f"LOOM_Q4K_K_PARTS must be a whole number of parts, not {forced!r}")
         return whole_parts(n_blocks, int(forced))
     if ctas_per_sm(1) >= 2:
-        return 1
-    two = [parts for parts in range(2, chunks + 1) if ctas_per_sm(parts) >= 2]
-    even = [parts for parts in two if chunks % parts == 0]
-    return (even or two or [1])[0]
+        parts = 1
+    else:
+        two = [parts for parts in range(2, chunks + 1) if ctas_per_sm(parts) >= 2]
+        even = [parts for parts in two if chunks % parts == 0]
+        parts = (even or two or [1])[0]
+    equal = [more for more in range(parts + 1, chunks + 1) if chunks % more == 0 and ctas_per_sm(more) >= 2]
+    if parts == 1 and batch >= 4 and 2 in equal:
+        parts = 2
+    tiles = -(-n_rows // CUDA_ROWS)
+    for more in equal:
+        if tiles and sms and more > parts and 2 * tiles * parts <= sms * ctas_per_sm(parts):
+            parts = more
+    return parts
 
 
 def cuda_shared_bytes(n_blocks: int, stages: int) -> int:
@@ -1276,22 +1293,27 @@ class CudaGemvB1:
             self.batched_per_sm[key] = int(self.module.resident_batched(shared)) if fits else 0
         return self.batched_per_sm[key]
 
-    def batched_k_parts(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES) -> int:
+    def batched_k_parts(self, n_blocks: int, batch: int, n_rows: int, stages: int = CUDA_BATCHED_STAGES) -> int:
         """The parts of K the batched kernel takes here (`batched_k_parts`)."""
-        return batched_k_parts(n_blocks, batch, lambda parts: self._batched_per_sm(n_blocks, batch, stages, parts))
+        return batched_k_parts(
+            n_blocks, batch, lambda parts: self._batched_per_sm(n_blocks, batch, stages, parts), n_rows, self.sms
+        )
 
     def batched_ctas_per_sm(
-        self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0
+        self, n_blocks: int, batch: int, n_rows: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0
     ) -> int:
-        """CTAs of the batched kernel an SM holds at this K, batch and ring depth, K cut into
-        `k_parts` (0: as `batched_k_parts` cuts it); 0: none fits."""
+        """CTAs of the batched kernel an SM holds at this K, batch, row count and ring depth, K
+        cut into `k_parts` (0: as `batched_k_parts` cuts it); 0: none fits."""
         if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:
             return 0
-        return self._batched_per_sm(n_blocks, batch, stages, k_parts or self.batched_k_parts(n_blocks, batch, stages))
+        k_parts = k_parts or self.batched_k_parts(n_blocks, batch, n_rows, stages)
+        return self._batched_per_sm(n_blocks, batch, stages, k_parts)
 
-    def batched_fits(self, n_blocks: int, batch: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0) -> bool:
+    def batched_fits(
+        self, n_blocks: int, batch: int, n_rows: int, stages: int = CUDA_BATCHED_STAGES, k_parts: int = 0
+    ) -> bool:
         """Whether the batched kernel's shared memory fits a CTA at this K, batch and ring depth."""
-        return self.batched_ctas_per_sm(n_blocks, batch, stages, k_parts) > 0
+        return self.batched_ctas_per_sm(n_blocks, batch, n_rows, stages, k_parts) > 0
 
     def batched(
         self,
@@ -1306,9 +1328,9 @@ class CudaGemvB1:
         is cut into parts (`k_parts`, 0: `batched_k_parts`), a second small launch adds the
         parts' float sums into `out`."""
         n_rows, n_blocks, batch = weight_q4k.shape[0], weight_q4k.shape[1] // BLOCK_BYTES, x.shape[0]
-        k_parts = whole_parts(n_blocks, k_parts) if k_parts else self.batched_k_parts(n_blocks, batch, stages)
+        k_parts = whole_parts(n_blocks, k_parts) if k_parts else self.batched_k_parts(n_blocks, batch, n_rows, stages)
         shared = cuda_batched_shared_bytes(n_blocks, batch, stages, k_parts)
-        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, batch, stages, k_parts), 1)
+        resident = self.sms * max(self.batched_ctas_per_sm(n_blocks, batch, n_rows, stages, k_parts), 1)
         grid = k_parts * balanced_grid(n_rows, max(resident // k_parts, 1))  # the same CTAs for every part
         parts = torch.empty((k_parts, batch, n_rows) if k_parts > 1 else (0,), dtype=torch.float32, device=x.device)
         self.module.launch_batched(
@@ -1497,7 +1519,7 @@ def q4k_gemv(
         else None
     )
     if kernel is not None:
-        batched_per_sm = kernel.batched_ctas_per_sm(n_blocks, batch) if batch > 1 else 0
+        batched_per_sm = kernel.batched_ctas_per_sm(n_blocks, batch, n_rows) if batch > 1 else 0
         if os.environ.get("LOOM_Q4K_BATCHED") == "0":  # for A/B timing against per-row launches
             batched_per_sm = 0
         path = cuda_path(n_rows, batch, batched_per_sm)
