@@ -5,15 +5,16 @@ weight at HBM speed. Two kernels:
 
 - Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores' integer MMAs
   (`CUDA_SOURCE` below, built at first use with torch.utils.cpp_extension.load_inline; needs
-  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.6 TB/s (2.9-3.1
+  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.7 TB/s (2.97-3.18
   TB/s launched as a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the
   Triton kernel. Where it cannot be built, the Triton kernel runs instead.
 - Batches 2-8 from 1024 weight rows, on NVIDIA Hopper: a second CUDA kernel with the same
   producer and ring whose MMA columns are the rows of x, so one launch reads the weight once
-  for the whole batch (2.1-2.9x faster than one batch-1 launch per row at batch 8). Where x of
-  the batch leaves too little shared memory (K = 14336 from batch 6; batch 2 there, where one
-  CTA per SM was slower), batches of 4096 rows or more run the batch-1 kernel once per row of
-  x (`cuda_path`).
+  for the whole batch (2.6-3.6x faster than one batch-1 launch per row at batch 8). Where x of
+  the batch would leave room for one CTA per SM or none (K = 14336 from batch 2), it cuts K
+  into parts, each CTA holding x of its part only, and a small launch adds the parts
+  (`batched_k_parts`); where even that would not fit, batches of 4096 rows or more run the
+  batch-1 kernel once per row of x (`cuda_path`).
 - Everything else (smaller weights at batch 2-8, AMD GPUs, the CPU interpreter): the Triton
   kernel, which does this:
 
@@ -328,7 +329,7 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights its loop is 157 warp instructions with 8 integer MMAs where K is a
+# Per 16 rows x 256 weights its loop is 153 warp instructions with 8 integer MMAs where K is a
 # whole number of 2048-weight chunks (SASS of nvcc 13.0's build, cuobjdump), against about
 # 1,060 for the Triton kernel (8.3 thread instructions per weight):
 #
