@@ -400,16 +400,11 @@ __device__ __forceinline__ U4 lds128(u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-// Byte `selector & 3` of `word` as a float, exactly: PRMT builds 0x4B0000bb (2^23 + bb), and
-// one add takes 2^23 away. Two full-rate instructions where a shift, a mask and an I2F were;
-// `selector` is 0x7540 | byte (the other three result bytes: 0x00, 0x00, 0x4B).
-__device__ __forceinline__ float byte_to_float(u32 word, u32 selector) {
-  return __uint_as_float(__byte_perm(word, 0x4B000000u, selector)) - 8388608.f;
-}
-// d * (that byte), rounded exactly as d * byte_to_float(word, selector) is, in one instruction
-// where two were: the FMA takes d * 2^23 (`minus_d_2_23`, exact, once per row) off
-// d * (2^23 + byte) and rounds once. (Only a d of -0 or inf differs: +0 for -0 * byte, NaN for
-// inf * byte.)
+// d times byte `selector & 3` of `word` (a 6-bit scale or min), in two full-rate instructions
+// where a shift, a mask, an I2F and an FMUL were: PRMT builds the float 0x4B0000bb = 2^23 + bb
+// (`selector` is 0x7540 | byte: the other result bytes are 0x00, 0x00, 0x4B), and one FMA takes
+// d * 2^23 (`minus_d_2_23`, exact, once per row) off d * (2^23 + bb), rounding once: exactly
+// the product d * bb. (Only a d of -0 or inf would differ: +0 for -0 * bb, NaN for inf * bb.)
 __device__ __forceinline__ float times_byte(float d, float minus_d_2_23, u32 word, u32 selector) {
   return fmaf(d, __uint_as_float(__byte_perm(word, 0x4B000000u, selector)), minus_d_2_23);
 }
@@ -639,7 +634,7 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   const u32 x_base = opaque(feeds ? shared_addr(xs) + (g >> 1) * 128 + (g & 1) * 32 : shared_addr(zero_line));
   const u32 x_step = opaque(feeds ? 512u : 0u), x_odd = opaque(feeds ? 64u : 0u);
   const int bsel = (2 * t) & 3;  // byte of the packed 6-bit scale word for sub-block 2t
-  const u32 pick_even = opaque(0x7540u | bsel), pick_odd = opaque(0x7540u | (bsel + 1));  // see byte_to_float
+  const u32 pick_even = opaque(0x7540u | bsel), pick_odd = opaque(0x7540u | (bsel + 1));  // see times_byte
   const u32 codes_g = opaque(g * ROW_STRIDE + 16 + 32 * t), meta_t = opaque(2 * t);
 
   int slot = 0, round = 0;  // of the ring, as the producer counts them
