@@ -1063,11 +1063,6 @@ def repository_root(path: Path) -> Path:
     return Path(os.path.realpath(_out(res)))
 
 
-def head_commit(path: Path) -> str | None:
-    """The full sha HEAD names in the repository `path` lies in (None before the first commit)."""
-    return _ref_sha(repository_root(path), "HEAD")
-
-
 def uncommitted_paths(path: Path, head: str | None = None) -> list[str]:
     """Repo-relative paths of the repository `path` lies in whose working-tree content is not
     HEAD's: tracked files edited or deleted, and untracked files git does not ignore. What a run

@@ -207,7 +207,7 @@ def test_uncommitted_paths_are_content_changes_only(tmp_path):
     (repo / "bench" / "program.py").unlink()
     assert gitops.uncommitted_paths(repo) == ["bench/program.py"]
     head, previous = git(repo, "rev-parse", "HEAD"), git(repo, "rev-parse", "HEAD~1")
-    assert gitops.head_commit(repo) == head
+    assert gitops.uncommitted_paths(repo, head=previous) == []  # edits to another commit than HEAD
     (finding,) = uncommitted_finding(repo / "bench", head)
     assert finding.check == "bench.command.uncommitted" and "bench/program.py" in finding.message
     assert uncommitted_finding(repo, previous) == []  # the candidate arm was not HEAD

@@ -20,7 +20,8 @@ the launch's length (its last CTA end after the previous launch's), when the fir
 CTA start, when the last chunk arrives, and the tail after it (last CTA end - last arrival);
 per CTA the median arrival gap between chunks and the time its consumers spend after their
 last chunk arrives; how many SMs the launch's CTAs cover, and when the CTAs end that started
-late (as the launch before ended) or early, and that had an SM to themselves or shared it. Writes timeline.json (the summaries) and timeline.npz (every record).
+late (as the launch before ended) or early, and that had an SM to themselves or shared it.
+Writes timeline.json (the summaries) and timeline.npz (every record).
 """
 
 from __future__ import annotations

@@ -1161,9 +1161,10 @@ def cuda_batched_shared_bytes(n_blocks: int, batch: int, stages: int, k_parts: i
 def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm, n_rows: int = 0, sms: int = 0) -> int:
     """How many parts the batched kernel cuts K into.
 
-    First, room for two CTAs per SM: none (1) where x of every row leaves it; else the fewest
-    parts of equal whole chunks that do (K = 14336, seven chunks: seven parts from batch 2), or
-    failing that the fewest that do at all. Then two equal parts from batch 4 where K is whole
+    Always equal runs of whole chunks (a divisor of the chunks: none is empty or longer than
+    the rest). First, room for two CTAs per SM: none (1) where x of every row leaves it; else
+    the fewest parts that do (K = 14336, seven chunks: seven parts from batch 2; 1 where none
+    does, as more parts only shrink a CTA). Then two equal parts from batch 4 where K is whole
     (less of x to make per CTA), and more equal parts while the tiles of `n_rows` would keep
     fewer than half of the `sms` x CTAs-per-SM resident CTAs busy. H200, fourteenth session,
     PDL, µs, whole K against two parts: K = 4096 batch 4 9.68 / 9.33 (4096²), 19.32 / 18.34
@@ -1178,13 +1179,8 @@ def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm, n_rows: int = 0, sms
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"LOOM_Q4K_K_PARTS must be a whole number of parts, not {forced!r}")
         return whole_parts(n_blocks, int(forced))
-    if ctas_per_sm(1) >= 2:
-        parts = 1
-    else:
-        two = [parts for parts in range(2, chunks + 1) if ctas_per_sm(parts) >= 2]
-        even = [parts for parts in two if chunks % parts == 0]
-        parts = (even or two or [1])[0]
-    equal = [more for more in range(parts + 1, chunks + 1) if chunks % more == 0 and ctas_per_sm(more) >= 2]
+    equal = [parts for parts in range(2, chunks + 1) if chunks % parts == 0 and ctas_per_sm(parts) >= 2]
+    parts = 1 if ctas_per_sm(1) >= 2 or not equal else equal[0]
     if parts == 1 and batch >= 4 and 2 in equal:
         parts = 2
     tiles = -(-n_rows // CUDA_ROWS)
