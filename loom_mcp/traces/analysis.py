@@ -30,6 +30,7 @@ from loom_mcp.traces.linking import LinkStats, link
 from loom_mcp.traces.models import Finding
 from loom_mcp.traces.readers import read_trace
 from loom_mcp.traces.roofline import find_peak
+from loom_mcp.traces.secrets import scrub_text
 from loom_mcp.traces.timeline import (
     BUCKET_COMM,
     BUCKET_COMPUTE,
@@ -137,7 +138,7 @@ def analyze(path: Path) -> FullAnalysis:
             stall_call=stall_call,
         )
     return FullAnalysis(
-        trace=path.name,
+        trace=scrub_text(path.name),
         source_format=td.source_format,
         device_name=device_name,
         devices=dict(td.devices),

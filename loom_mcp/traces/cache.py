@@ -17,6 +17,7 @@ import orjson
 from filelock import FileLock
 
 from loom_mcp.traces.api import SUMMARY_FILE, analyze_trace_file
+from loom_mcp.traces.limits import TraceLimits
 from loom_mcp.traces.models import TraceAnalysis
 from loom_mcp.traces.summary import ANALYSIS_VERSION
 
@@ -26,8 +27,10 @@ _BLOCK = 8 << 20
 
 def trace_content_hash(path: Path) -> str:
     """blake2b-256 of the file's bytes, read in blocks."""
+    from loom_mcp.traces.jsonstream import open_trace_file
+
     h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
+    with open_trace_file(path) as f:
         while True:
             b = f.read(_BLOCK)
             if not b:
@@ -68,7 +71,15 @@ def analyze_trace_cached(
     baseline: Path | None = None,
     top_k: int = 10,
     cache_root: Path,
+    limits: TraceLimits | None = None,
+    isolate: bool = True,
 ) -> TraceAnalysis:
+    """Analysis of `trace` (and `baseline`) from the cache, or computed and stored.
+
+    A miss is analysed in a child process bounded in memory and wall time (`isolate.py`), so a
+    hostile trace costs the caller nothing but a `[BAD_INPUT]` error; `isolate=False` runs it
+    in this process (the nesting and inflation limits still hold, memory and time do not).
+    """
     trace = Path(trace)
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -84,7 +95,17 @@ def analyze_trace_cached(
         # Build in a private directory and rename into place, so a reader never sees a
         # half-written entry and two concurrent misses do not clobber each other.
         tmp = cache_root / f".tmp-{key}-{uuid.uuid4().hex}"
-        analyze_trace_file(trace, baseline=baseline, top_k=top_k, out_dir=tmp)
+        try:
+            if isolate:
+                from loom_mcp.traces.isolate import analyze_isolated
+
+                analyze_isolated(trace, baseline=baseline, top_k=top_k, out_dir=tmp,
+                                 limits=limits)
+            else:
+                analyze_trace_file(trace, baseline=baseline, top_k=top_k, out_dir=tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         s = TraceAnalysis.model_validate_json((tmp / SUMMARY_FILE).read_bytes())
         s.artifact_dir = str(final)
         (tmp / SUMMARY_FILE).write_text(s.model_dump_json(indent=1))

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from loom_mcp.traces.secrets import scrub_any, scrub_text
+
 KIND_KERNEL = 0
 KIND_MEMCPY = 1
 KIND_MEMSET = 2
@@ -42,6 +44,11 @@ class Interner:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def scrub(self) -> None:
+        """Redact secrets in the stored values (ids stay valid; lookups by raw value stop)."""
+        self.values = [scrub_any(v) for v in self.values]
+        self.ids = {}
 
 
 @dataclass(frozen=True)
@@ -119,3 +126,25 @@ class TraceData:
     @property
     def n_gpu(self) -> int:
         return len(self.g_ts)
+
+    def scrub(self) -> None:
+        """Redact secret-looking substrings in every string the trace brought in.
+
+        Called once per trace by `read_trace`, after the reader is done and before any analysis:
+        op, kernel, API and annotation names, device names, op signatures (shapes, dtypes,
+        concrete inputs), thread keys, metadata block names and notes. Redacting here, before
+        names are shortened or cut to a column width, means no cut can leave part of a token
+        that the patterns no longer recognise. The output models scrub once more on the way
+        out (`models._M`), so a field added later cannot bypass it.
+        """
+        self.names.scrub()
+        self.threads.scrub()
+        self.devices = {k: scrub_text(str(v)) for k, v in self.devices.items()}
+        self.sigs = [
+            OpSig(scrub_text(str(s.name)), scrub_any(s.dims), scrub_any(s.types),
+                  scrub_any(s.concrete))
+            for s in self.sigs
+        ]
+        self.sig_ids = {}
+        self.metadata_blocks = {scrub_text(k): v for k, v in self.metadata_blocks.items()}
+        self.notes = [scrub_text(n) for n in self.notes]

@@ -9,13 +9,27 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from loom_mcp.traces.secrets import scrub_any
 
 NextTool = Literal["benchmark", "compile_kernel", "profile", "run_validation", "analyze_trace"]
 
 
-class _M(BaseModel):
+class ScrubbedModel(BaseModel):
+    """Base of every model the trace tools return: on the way out (model_dump, JSON, the MCP
+    result) every string in it, at any depth, passes the secret scrubber. The readers already
+    scrub what they read; this is the backstop that a field added later cannot bypass."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _scrub_out(self, handler: SerializerFunctionWrapHandler):  # no return type: a typed
+        # one would replace the JSON schema of every subclass with that type's
+        return scrub_any(handler(self))
+
+
+_M = ScrubbedModel
 
 
 class TimelineSummary(_M):

@@ -12,15 +12,23 @@ import orjson
 from loom_mcp.traces.analysis import FullAnalysis
 from loom_mcp.traces.diff import FullDiff
 from loom_mcp.traces.models import DiffRow
+from loom_mcp.traces.secrets import scrub_any, scrub_text
 
 PNG = "breakdown.png"
 
 
 def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    # Every artifact is written through here or `_write_json`: both scrub what they write.
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(header)
-        w.writerows(rows)
+        w.writerows([scrub_text(x) if isinstance(x, str) else x for x in row] for row in rows)
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    path.write_bytes(
+        orjson.dumps(scrub_any(doc), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    )
 
 
 def _ops_rows(fa: FullAnalysis) -> list[list[Any]]:
@@ -129,7 +137,7 @@ def plot(fa: FullAnalysis, path: Path) -> None:
         ax1.set_yticks([])
         ax1.set_xlabel("ms")
         ax1.set_title(
-            f"Timeline ({fa.device_name or 'device'}), total {t.total_us / 1000:.2f} ms", fontsize=9
+            f"Timeline ({scrub_text(fa.device_name or 'device')}), total {t.total_us / 1000:.2f} ms", fontsize=9
         )
         ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
     cats = fa.categories[:10]
@@ -154,9 +162,7 @@ def write_artifacts(
         names.append(name)
         return out_dir / name
 
-    put("analysis.json").write_bytes(
-        orjson.dumps(full_json(fa, d), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
-    )
+    _write_json(put("analysis.json"), full_json(fa, d))
     _write_csv(put("ops.csv"), _OPS_HEADER, _ops_rows(fa))
     _write_csv(
         put("kernels.csv"),

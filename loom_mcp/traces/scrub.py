@@ -17,7 +17,7 @@ from typing import IO, Any
 import orjson
 
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.traces.jsonstream import JsonEventStream, open_bytes
+from loom_mcp.traces.jsonstream import JsonEventStream, json_error
 from loom_mcp.traces.models import ScrubReport
 from loom_mcp.traces.readers import detect_format
 from loom_mcp.traces.secrets import (
@@ -27,6 +27,7 @@ from loom_mcp.traces.secrets import (
     SECRET_VALUE_RE,
     inspect_block,
     redact_value,
+    scrub_text,
 )
 
 _BATCH_BYTES = 1 << 20
@@ -100,9 +101,28 @@ def _report(src: Path, dst: Path, events: int, removed: list[str], removed_keys:
                        bytes_in=src.stat().st_size, bytes_out=dst.stat().st_size)
 
 
+# rocprofv3 documents are scrubbed whole (as Python objects, about 7x the JSON): refused above
+# this inflated size rather than let one file take the server's memory.
+ROCPROF_SCRUB_LIMIT = 256 << 20
+
+
 def _scrub_rocprofv3(src: Path, dst: Path) -> ScrubReport:
-    with open_bytes(src) as f:
-        doc = orjson.loads(f.read())
+    from loom_mcp.traces.readers.rocprof import _read_capped
+
+    data = _read_capped(src, ROCPROF_SCRUB_LIMIT)
+    if data is None:
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"{scrub_text(src.name)}: rocprofv3 trace over {ROCPROF_SCRUB_LIMIT >> 20} MiB "
+            "(inflated); too large to scrub",
+        )
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise json_error(src, exc) from exc
+    del data
+    if not isinstance(doc, dict):
+        raise LoomError(ErrorCode.BAD_INPUT, f"{scrub_text(src.name)}: not a rocprofv3 document")
     removed: list[str] = []
     removed_keys = 0
     for i, sec in enumerate(doc.get("rocprofiler-sdk-tool") or []):

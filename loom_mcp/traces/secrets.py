@@ -55,6 +55,9 @@ _VALUE_PATTERNS = [
     r"AIza[0-9A-Za-z_\-]{35}",
     r"eyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}",
     r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
+    # HTTP credentials: "Authorization: Bearer <token>", "Basic <base64>"
+    r"(?i:(?<=bearer )|(?<=bearer%20)|(?<=bearer\+))[A-Za-z0-9._~+/\-]{12,}=*",
+    r"(?i:(?<=basic ))[A-Za-z0-9+/]{12,}=*",
     # NAME=value / --name=value pairs in command lines and env strings
     r"(?i:(?<=[a-z_]token=))[^\s\"\\,;']{6,}",
     r"(?i:(?<=[a-z_]secret=))[^\s\"\\,;']{6,}",
@@ -70,6 +73,25 @@ REDACTED = "[REDACTED]"
 
 def looks_secret_value(s: str) -> bool:
     return SECRET_VALUE_RE.search(s) is not None
+
+
+def scrub_text(s: str) -> str:
+    """`s` with every secret-looking substring replaced: the scrubber's own patterns, applied to
+    each string the analysis reports (names, devices, file names, messages)."""
+    return SECRET_VALUE_RE.sub(REDACTED, s) if SECRET_VALUE_RE.search(s) else s
+
+
+def scrub_any(v: Any) -> Any:
+    """Copy of a JSON-like value with `scrub_text` applied to every string, keys included."""
+    if isinstance(v, str):
+        return scrub_text(v)
+    if isinstance(v, dict):
+        return {scrub_any(k): scrub_any(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [scrub_any(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(scrub_any(x) for x in v)
+    return v
 
 
 def inspect_block(value: Any) -> tuple[int, int, int]:

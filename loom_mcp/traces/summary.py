@@ -16,7 +16,8 @@ from loom_mcp.traces.models import (
     TraceAnalysis,
 )
 
-ANALYSIS_VERSION = "1"
+# 2: names, devices and artifacts are scrubbed of secrets (entries of 1 may hold them).
+ANALYSIS_VERSION = "2"
 SUMMARY_BUDGET_BYTES = 4000
 MAX_FINDINGS = 6
 

@@ -10,14 +10,20 @@ Columns differ across nsys versions, so every query is built from the columns th
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
 from pathlib import Path
+from typing import IO
+from urllib.parse import quote
 
+from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.traces.events import KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, NO_ID, OpSig, TraceData
-from loom_mcp.traces.secrets import inspect_block
+from loom_mcp.traces.jsonstream import open_trace_file
+from loom_mcp.traces.secrets import inspect_block, scrub_text
 
 _NVTX_SIZES = re.compile(r"sizes\s*=\s*(\[.*\])")
+_MAX_NVTX_SIZES = 64 << 10  # longer range names are not emit_nvtx shape records
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:
@@ -43,10 +49,31 @@ def _col(cols: set[str], name: str, default: str = "-1") -> str:
     return f"t.{name}" if name in cols else default
 
 
+def _connect(path: Path) -> tuple[sqlite3.Connection, IO[bytes]]:
+    """Read-only connection to the file `open_trace_file` opened (no symlink followed, regular
+    file only): on Linux SQLite opens it again through /proc/self/fd, i.e. the very inode that
+    was checked, whatever the path points to by now."""
+    fh = open_trace_file(path)
+    try:
+        fd_path = f"/proc/self/fd/{fh.fileno()}"
+        target = fd_path if os.path.exists(fd_path) else os.path.abspath(path)
+        db = sqlite3.connect(f"file:{quote(target)}?mode=ro", uri=True)
+        db.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+    except sqlite3.DatabaseError as exc:
+        fh.close()
+        raise LoomError(
+            ErrorCode.BAD_INPUT, f"{scrub_text(path.name)}: not a readable SQLite file ({exc})"
+        ) from exc
+    except BaseException:
+        fh.close()
+        raise
+    return db, fh
+
+
 def read_nsys(path: Path) -> TraceData:
     td = TraceData("nsys")
     names = td.names
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db, fh = _connect(path)
     try:
         tables = _tables(db)
         strings = "StringIds" in tables
@@ -116,12 +143,12 @@ def read_nsys(path: Path) -> TraceData:
             for nm, start, end, tid in db.execute(q):
                 nm = str(nm)
                 dims = None
-                m = _NVTX_SIZES.search(nm)
+                m = _NVTX_SIZES.search(nm) if len(nm) <= _MAX_NVTX_SIZES else None
                 opname = nm.split(",")[0].strip()
                 if m:
                     try:
                         dims = json.loads(m.group(1))
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         dims = None
                 key = json.dumps((opname, dims)).encode()
                 sig = td.sig_ids.get(key)
@@ -155,4 +182,5 @@ def read_nsys(path: Path) -> TraceData:
             td.metadata_blocks["TARGET_INFO_SYSTEM_ENV"] = inspect_block(env)
     finally:
         db.close()
+        fh.close()
     return td

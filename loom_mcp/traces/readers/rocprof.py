@@ -8,6 +8,7 @@ a trace collected with kernel tracing only has none, which the analysis flags.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,25 +16,49 @@ import ijson
 import orjson
 
 from loom_mcp.traces.events import KIND_KERNEL, KIND_MEMCPY, NO_ID, TraceData
-from loom_mcp.traces.jsonstream import BigIntSafeReader, open_bytes
+from loom_mcp.traces.jsonstream import (
+    BigIntSafeReader,
+    json_error,
+    open_bytes,
+    open_trace_file,
+)
 from loom_mcp.traces.secrets import inspect_block
 
 ROOT = "rocprofiler-sdk-tool"
-# Above this (uncompressed) size the file is read in several streaming passes instead of
-# being loaded whole; each pass costs a full tokenisation but memory stays flat.
-WHOLE_LOAD_LIMIT = 512 << 20
+# Up to this (uncompressed) size the file is parsed in one go, which holds the whole document as
+# Python objects (about 7x the JSON: 37 MB -> 280 MB RSS); above it, in several streaming
+# passes, each a full tokenisation, with the records consumed one at a time so memory stays flat.
+WHOLE_LOAD_LIMIT = 128 << 20
 
 _MEMCPY_KIND_INDEX = 10  # MEMORY_COPY in rocprofiler's buffer-record kind enum
+_CHUNK = 1 << 20
 
 
-def _uncompressed_size(path: Path) -> int:
+def _claimed_size(path: Path) -> int:
+    """Uncompressed size as the file claims it (gzip trailer, modulo 2**32). Only a hint for
+    choosing the path: a file that claims less than it holds is cut off at the limit anyway."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_trace_file(path) as f:
         if f.read(2) != b"\x1f\x8b":
             return size
         f.seek(-4, 2)
-        isize = struct.unpack("<I", f.read(4))[0]  # modulo 2**32, like gzip's own trailer
+        isize = struct.unpack("<I", f.read(4))[0]
     return max(isize, size)
+
+
+def _read_capped(path: Path, cap: int) -> bytes | None:
+    """The whole (inflated) file, or None when it holds more than `cap` bytes."""
+    parts: list[bytes] = []
+    total = 0
+    with open_bytes(path) as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                return b"".join(parts)
+            total += len(b)
+            if total > cap:
+                return None
+            parts.append(b)
 
 
 def _handle(v: Any) -> int:
@@ -42,37 +67,55 @@ def _handle(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) else NO_ID
 
 
+class _Records:
+    """The items under one prefix, read by a streaming pass when iterated (once)."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.prefix = prefix
+
+    def __iter__(self) -> Iterator[Any]:
+        with open_bytes(self.path) as f:
+            try:
+                yield from ijson.items(BigIntSafeReader(f), self.prefix, use_float=True)
+            except ijson.JSONError as exc:
+                raise json_error(self.path, exc) from exc
+
+
 def _sections(path: Path) -> list[dict[str, Any]]:
     """One dict per profiled process, with the members this reader uses."""
-    if _uncompressed_size(path) <= WHOLE_LOAD_LIMIT:
-        with open_bytes(path) as f:
-            doc = orjson.loads(f.read())
-        tools = doc.get(ROOT) or []
-        return [t for t in tools if isinstance(t, dict)]
-    # Streaming: one pass per member (each pass is flat in memory). Only one process section
-    # is supported on this path, which is what rocprofv3 writes per output file.
-    sec: dict[str, Any] = {"buffer_records": {}, "strings": {}}
+    data = _read_capped(path, WHOLE_LOAD_LIMIT) if _claimed_size(path) <= WHOLE_LOAD_LIMIT else None
+    if data is not None:
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            if "memory" in str(exc).lower():  # orjson reports a failed allocation this way
+                raise MemoryError(str(exc)) from exc
+            raise json_error(path, exc) from exc
+        del data
+        tools = doc.get(ROOT) if isinstance(doc, dict) else None
+        return [t for t in tools or [] if isinstance(t, dict)]
+    # Streaming: one pass per member. Only one process section is supported on this path,
+    # which is what rocprofv3 writes per output file. The small members are kept; the record
+    # arrays are consumed one record at a time by the reader.
     base = f"{ROOT}.item"
-    passes = {
-        "metadata": f"{base}.metadata",
-        "agents": f"{base}.agents.item",
-        "kernel_symbols": f"{base}.kernel_symbols.item",
-        "strings.buffer_records": f"{base}.strings.buffer_records.item",
-        "buffer_records.kernel_dispatch": f"{base}.buffer_records.kernel_dispatch.item",
-        "buffer_records.memory_copy": f"{base}.buffer_records.memory_copy.item",
-        "buffer_records.hip_api": f"{base}.buffer_records.hip_api.item",
-    }
-    for key, prefix in passes.items():
-        with open_bytes(path) as f:
-            items = list(ijson.items(BigIntSafeReader(f), prefix, use_float=True))
-        if key == "metadata":
-            sec["metadata"] = items[0] if items else {}
-        elif "." in key:
-            outer, inner = key.split(".", 1)
-            sec[outer][inner] = items
-        else:
-            sec[key] = items
-    return [sec]
+
+    def small(prefix: str) -> list[Any]:
+        return list(_Records(path, f"{base}.{prefix}"))
+
+    metadata = small("metadata")
+    return [
+        {
+            "metadata": metadata[0] if metadata else {},
+            "agents": small("agents.item"),
+            "kernel_symbols": small("kernel_symbols.item"),
+            "strings": {"buffer_records": small("strings.buffer_records.item")},
+            "buffer_records": {
+                kind: _Records(path, f"{base}.buffer_records.{kind}.item")
+                for kind in ("kernel_dispatch", "memory_copy", "hip_api")
+            },
+        }
+    ]
 
 
 def read_rocprofv3(path: Path) -> TraceData:

@@ -1,0 +1,348 @@
+"""analyze_trace under attack, through the real MCP protocol (the pytest process is the server).
+
+The attacks (tests/redteam/attack_trace_*.py) write their payloads at test time:
+
+* attack_trace_nesting: 2 MB of `[` (grew the server to 20 GB);
+* attack_trace_deep_nesting: a valid trace nesting a million levels in one event (closed the
+  connection);
+* attack_trace_gzip_bomb: 4-15 MB of gzip inflating to 4.3 GB (no cap);
+* attack_trace_secrets: tokens inside op, kernel, API, device and block names (echoed back).
+
+Each bomb must come back as a quick `[BAD_INPUT]` naming the limit it hit, without the server
+process growing, and the server must then analyse a normal trace. No secret may appear anywhere
+in what an agent can read: the tool result, the error text, the analysis resource, the
+artifacts. Each limit (depth, token length, ratio, inflated size, wall time, memory) is also
+driven on its own by lowering it through its environment variable.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import resource
+import shutil
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from mcp import Client
+
+from loom_mcp.config import load_config
+from loom_mcp.server import build_server
+
+REDTEAM = Path(__file__).parent / "redteam"
+SYNTH = Path(__file__).parent / "fixtures" / "traces_synthetic"
+NORMAL = SYNTH / "kineto_overlap_flow_unknown_device.json"
+
+# Generous bounds for a loaded 2-core CI box; the measured values are printed (pytest -s).
+MAX_SECONDS = 15.0
+MAX_GROWTH_MIB = 300
+
+
+def _attack(name: str):
+    spec = importlib.util.spec_from_file_location(name, REDTEAM / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+nesting = _attack("attack_trace_nesting")
+deep = _attack("attack_trace_deep_nesting")
+bomb = _attack("attack_trace_gzip_bomb")
+leaks = _attack("attack_trace_secrets")
+
+
+# --- measuring the server process ----------------------------------------------------------
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM (Linux: writing 5 to clear_refs), so the next read is this test's peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_kib() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _children_peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def attacks(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("attacks")
+    files = {
+        "nesting": nesting.write(d / "nesting.json"),
+        "deep_arrays": deep.write(d / "deep_arrays.json", kind="arrays"),
+        "deep_objects": deep.write(d / "deep_objects.json", kind="objects"),
+    }
+    for kind in ("events", "string", "whitespace", "rocprof"):
+        files[f"gzip_{kind}"] = bomb.write(d / f"bomb_{kind}.json.gz", kind)
+    return files
+
+
+@pytest.fixture
+def home(tmp_path) -> Path:
+    return tmp_path / "home"
+
+
+def _server(home: Path, *roots: Path):
+    allowed = ":".join(str(r) for r in roots)
+    return build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": allowed}))
+
+
+def _text(result) -> str:
+    return "\n".join(getattr(c, "text", "") for c in result.content)
+
+
+async def _normal_call_works(client, trace: Path) -> None:
+    ok = await client.call_tool("analyze_trace", {"trace": str(trace)})
+    assert ok.is_error is False, _text(ok)
+    assert ok.structured_content["analysis"]["timeline"]["busy_us"] > 0
+
+
+# --- bombs ----------------------------------------------------------------------------------
+
+_RATIO_OR_TOKEN = ("LOOM_TRACE_MAX_RATIO", "LOOM_TRACE_MAX_TOKEN_BYTES")
+BOMBS = {
+    # attack -> the limits its error may name (whichever trips first)
+    "nesting": ("LOOM_TRACE_MAX_DEPTH",),
+    "deep_arrays": ("LOOM_TRACE_MAX_DEPTH",),
+    "deep_objects": ("LOOM_TRACE_MAX_DEPTH",),
+    "gzip_events": ("LOOM_TRACE_MAX_RATIO",),
+    "gzip_string": _RATIO_OR_TOKEN,
+    "gzip_whitespace": _RATIO_OR_TOKEN,
+    "gzip_rocprof": _RATIO_OR_TOKEN,
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("attack", list(BOMBS))
+async def test_bomb_is_refused_quickly_and_the_server_keeps_answering(attack, attacks, tmp_path,
+                                                                      home):
+    normal = shutil.copy(NORMAL, tmp_path / "normal.json")
+    async with Client(_server(home, tmp_path, attacks[attack].parent)) as client:
+        await _normal_call_works(client, Path(normal))  # warm: imports are not the attack's
+        base_rss = _rss_kib()
+        reset = _reset_peak()
+        before = _peak_kib()
+        t = time.perf_counter()
+        result = await client.call_tool("analyze_trace", {"trace": str(attacks[attack])})
+        elapsed = time.perf_counter() - t
+        growth_mib = (_peak_kib() - (base_rss if reset else before)) / 1024
+        text = _text(result)
+        print(f"\n{attack}: {elapsed:.2f} s, server peak +{growth_mib:.0f} MiB "
+              f"(VmHWM reset: {reset}), child peak so far {_children_peak_mib():.0f} MiB: {text}")
+        assert result.is_error and "[BAD_INPUT]" in text, text
+        assert any(limit in text for limit in BOMBS[attack]), text
+        assert elapsed < MAX_SECONDS
+        assert growth_mib < MAX_GROWTH_MIB
+        # Same bytes again: refused again (errors are not cached as results), still quickly.
+        again = await client.call_tool("analyze_trace", {"trace": str(attacks[attack])})
+        assert again.is_error and "[BAD_INPUT]" in _text(again)
+        await _normal_call_works(client, Path(normal))
+
+
+def test_bombs_fail_fast_in_process_too(attacks):
+    """The readers enforce depth, token and inflation limits themselves: the same errors come
+    from analyze_trace_file in this process (the bench tool, tests), with no child to absorb
+    the memory."""
+    from loom_mcp.errors import LoomError
+    from loom_mcp.traces import analyze_trace_file
+
+    for attack, limits in BOMBS.items():
+        before = _rss_kib()
+        _reset_peak()
+        t = time.perf_counter()
+        with pytest.raises(LoomError) as exc:
+            analyze_trace_file(attacks[attack])
+        elapsed = time.perf_counter() - t
+        growth_mib = (_peak_kib() - before) / 1024
+        print(f"\nin-process {attack}: {elapsed:.2f} s, +{growth_mib:.0f} MiB")
+        assert exc.value.code.value == "BAD_INPUT"
+        assert any(limit in str(exc.value) for limit in limits)
+        assert elapsed < MAX_SECONDS and growth_mib < MAX_GROWTH_MIB
+
+
+# --- each limit on its own, lowered through its environment variable ------------------------
+
+
+def _events_trace(path: Path, n: int) -> Path:
+    """A valid Kineto trace of n kernels with distinct times (compresses like a real one)."""
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": f"kernel_{i % 97}", "pid": 0, "tid": 7,
+         "ts": 1000 + 3 * i, "dur": 2, "args": {"device": 0, "stream": 7, "correlation": i}}
+        for i in range(n)
+    ]
+    path.write_bytes(orjson.dumps({"traceEvents": ev}, option=orjson.OPT_INDENT_2))
+    return path
+
+
+def _rocprof_trace(path: Path, n: int) -> Path:
+    kd = [
+        {"start_timestamp": 1_000 * i, "end_timestamp": 1_000 * i + 500,
+         "dispatch_info": {"kernel_id": 1, "agent_id": {"handle": 2}, "queue_id": {"handle": 1}},
+         "correlation_id": {"internal": i, "external": 0}}
+        for i in range(n)
+    ]
+    doc = {"rocprofiler-sdk-tool": [{
+        "metadata": {"pid": 1}, "agents": [{"type": 2, "id": {"handle": 2}, "name": "gfx942"}],
+        "kernel_symbols": [{"kernel_id": 1, "kernel_name": "k"}], "strings": {},
+        "buffer_records": {"kernel_dispatch": kd}}]}
+    path.write_bytes(orjson.dumps(doc))
+    return path
+
+
+@pytest.mark.anyio
+async def test_each_limit_is_named(tmp_path, home, monkeypatch, attacks):
+    normal = Path(shutil.copy(NORMAL, tmp_path / "normal.json"))
+    gz = tmp_path / "big.json.gz"
+    gz.write_bytes(gzip.compress(_events_trace(tmp_path / "big.json", 60_000).read_bytes()))
+    rocprof = _rocprof_trace(tmp_path / "rocprof.json", 400_000)
+    cases = [
+        ({"LOOM_TRACE_MAX_INFLATED_BYTES": str(4 << 20)}, gz, "LOOM_TRACE_MAX_INFLATED_BYTES"),
+        ({"LOOM_TRACE_MAX_RATIO": "2", "LOOM_TRACE_RATIO_GRACE_BYTES": str(1 << 20)}, gz,
+         "LOOM_TRACE_MAX_RATIO"),
+        ({"LOOM_TRACE_MAX_DEPTH": "2"}, normal, "LOOM_TRACE_MAX_DEPTH"),
+        ({"LOOM_TRACE_MAX_TOKEN_BYTES": "8"}, normal, "LOOM_TRACE_MAX_TOKEN_BYTES"),
+        # the 4.3 GB kernel name, with the ratio check out of the way
+        ({"LOOM_TRACE_MAX_RATIO": "1e9"}, attacks["gzip_string"], "LOOM_TRACE_MAX_TOKEN_BYTES"),
+        # the 4.3 GB of events, with only the inflated-size cap left (lowered to keep it short)
+        ({"LOOM_TRACE_MAX_RATIO": "1e9", "LOOM_TRACE_MAX_INFLATED_BYTES": str(32 << 20)},
+         attacks["gzip_events"], "LOOM_TRACE_MAX_INFLATED_BYTES"),
+        ({"LOOM_TRACE_TIMEOUT_S": "0.05"}, normal, "LOOM_TRACE_TIMEOUT_S"),
+        ({"LOOM_TRACE_MEMORY_BYTES": str(400 << 20)}, rocprof, "LOOM_TRACE_MEMORY_BYTES"),
+    ]
+    async with Client(_server(home, tmp_path, attacks["nesting"].parent)) as client:
+        for env, trace, limit in cases:
+            with monkeypatch.context() as m:
+                for k, v in env.items():
+                    m.setenv(k, v)
+                t = time.perf_counter()
+                result = await client.call_tool("analyze_trace", {"trace": str(trace)})
+                text = _text(result)
+                print(f"\n{limit}: {time.perf_counter() - t:.2f} s: {text}")
+                assert result.is_error and "[BAD_INPUT]" in text and limit in text, text
+        # With the defaults every one of these traces is fine.
+        for trace in (gz, normal, rocprof):
+            ok = await client.call_tool("analyze_trace", {"trace": str(trace)})
+            assert ok.is_error is False, _text(ok)
+
+
+# --- secrets --------------------------------------------------------------------------------
+
+
+def _nsys_with_secrets(path: Path, s: dict[str, str]) -> Path:
+    from tests.test_traces_synthetic import make_nsys
+
+    make_nsys(path)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE StringIds SET value = ? WHERE id = 10",
+               (f"void cutlass::Kernel2<{s['github']}>(Params)",))
+    db.execute("UPDATE StringIds SET value = ? WHERE id = 12",
+               (f"void at::native::vectorized_elementwise_kernel<{s['aws']}>(int)",))
+    db.execute("UPDATE TARGET_INFO_GPU SET name = ?",
+               (f"NVIDIA H100 Authorization: Bearer {s['bearer']}",))
+    db.commit()
+    db.close()
+    return path
+
+
+def _fragments(s: dict[str, str]) -> list[str]:
+    """Each secret, and a distinctive piece of its body: a cut token must not leak either."""
+    out = []
+    for v in s.values():
+        body = v.split("_", 1)[-1].split("-", 1)[-1]
+        out += [v, body[4:20]]
+    return out
+
+
+@pytest.mark.anyio
+async def test_no_secret_in_anything_analyze_trace_returns(tmp_path, home):
+    s = leaks.secrets()
+    named = tmp_path / f"trace_{s['aws']}.json"  # the file name carries one too
+    kineto = leaks.write_kineto(named)
+    rocprof = leaks.write_rocprof(tmp_path / "rocprof.json")
+    malformed = leaks.write_malformed(tmp_path / "malformed.json")
+    nsys = _nsys_with_secrets(tmp_path / "nsys.sqlite", s)
+    gz = tmp_path / "kineto.json.gz"
+    gz.write_bytes(gzip.compress(kineto.read_bytes()))
+    seen: list[str] = []
+    cache = load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}).cache_dir / "traces"
+    async with Client(_server(home, tmp_path)) as client:
+        calls = [
+            {"trace": str(kineto)},
+            {"trace": str(gz), "top_k": 50},
+            {"trace": str(rocprof)},
+            {"trace": str(nsys)},
+            {"trace": str(rocprof), "baseline": str(kineto)},
+            {"trace": str(kineto), "baseline": str(nsys)},
+        ]
+        for args in calls:
+            result = await client.call_tool("analyze_trace", args)
+            assert result.is_error is False, _text(result)
+            seen += [_text(result), json.dumps(result.structured_content)]
+            aid = result.structured_content["analysis_id"]
+            full = await client.read_resource(f"loom://traces/{aid}/analysis")
+            seen.append(full.contents[0].text)
+            artifacts = sorted((cache / aid).glob("*"))
+            assert any(f.suffix == ".csv" for f in artifacts)
+            seen += [f.read_text(errors="replace") for f in artifacts if f.suffix != ".png"]
+        bad = await client.call_tool("analyze_trace", {"trace": str(malformed)})
+        assert bad.is_error and "[BAD_INPUT]" in _text(bad)
+        seen.append(_text(bad))
+    blob = "\n".join(seen)
+    assert "[REDACTED]" in blob  # the names were there, redacted
+    assert "cutlass" in blob and "aten::mm" in blob  # and the rest of them kept
+    for frag in _fragments(s):
+        assert frag not in blob, frag
+
+
+def test_artifacts_are_scrubbed_on_disk(tmp_path):
+    """analyze_trace_file's artifacts (CSV, JSON, summary) hold no secret either."""
+    from loom_mcp.traces import analyze_trace_file
+
+    s = leaks.secrets()
+    out = tmp_path / "out"
+    summary = analyze_trace_file(leaks.write_kineto(tmp_path / "k.json"), out_dir=out)
+    blob = summary.model_dump_json() + "".join(
+        p.read_text(errors="replace") for p in out.iterdir() if p.suffix != ".png")
+    assert "[REDACTED]" in blob
+    for frag in _fragments(s):
+        assert frag not in blob, frag
+
+
+def test_attack_generators_run_as_scripts(tmp_path):
+    import subprocess
+
+    for name, args in (("attack_trace_nesting", ["n.json"]),
+                       ("attack_trace_deep_nesting", ["d.json", "objects"]),
+                       ("attack_trace_secrets", ["."])):
+        subprocess.run([sys.executable, str(REDTEAM / f"{name}.py"), *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+    assert (tmp_path / "n.json").stat().st_size == nesting.SIZE
+    assert (tmp_path / "secrets_kineto.json").is_file()
