@@ -32,6 +32,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.sandbox import safefs
 
 # A binary file above this is almost certainly a build output or dataset, not a kernel change.
 MAX_BINARY_BYTES = 5 * 1024 * 1024
@@ -394,16 +395,14 @@ def _read_entry(
             f"{rel!r} is {st.st_size} bytes, over the {MAX_CHANGE_BYTES} byte limit for a change; "
             "gitignore it or pass explicit paths",
         )
-    # O_NOFOLLOW: the path was a regular file at lstat; refuse if it was swapped for a link since.
-    fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        mode_bits = os.fstat(fd).st_mode
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
+    # The path was a regular file at lstat; opened beneath the top with no link followed on the
+    # way (a directory swapped for a link since the check above is refused too), as a regular
+    # file within the size limit. Hard links are the user's business in their own repository.
+    with safefs.open_read(info.top, rel, max_bytes=MAX_CHANGE_BYTES, allow_hardlinks=True) as f:
+        data = f.read(MAX_CHANGE_BYTES + 1)
+        mode_bits = os.fstat(f.fileno()).st_mode
+    if len(data) > MAX_CHANGE_BYTES:
+        raise LoomError(ErrorCode.BAD_INPUT, f"{rel!r} grew past {MAX_CHANGE_BYTES} bytes")
     if filemode:
         executable = bool(mode_bits & stat.S_IXUSR)
     else:
@@ -983,20 +982,25 @@ def _worktree_entries(info: _Repo) -> list[tuple[Path, Path]]:
     out = []
     for admin in sorted(admin_root.iterdir()):
         try:
-            gitfile = (admin / "gitdir").read_text().strip()
-        except OSError:
+            gitfile = _small_file(admin, "gitdir")
+        except (OSError, LoomError, UnicodeDecodeError):
             continue  # not provably ours; `git worktree prune` owns broken entries
         out.append((admin, Path(gitfile).parent))
     return out
 
 
+def _small_file(directory: Path, name: str) -> str:
+    """A small git link file (`.git`, `gitdir`), read as a regular file without following a
+    link: a command run in a checkout could have replaced it with a link or a FIFO."""
+    return safefs.read_bytes(directory, name, 1 << 16, allow_hardlinks=True).decode().strip()
+
+
 def _points_into(info: _Repo, directory: Path) -> bool | None:
     """True/False if `directory/.git` links into / away from this repo's worktrees; None if no link."""
-    gitfile = directory / ".git"
     try:
-        text = gitfile.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
+        text = _small_file(directory, ".git")
+    except (OSError, LoomError, UnicodeDecodeError):
+        return None  # absent, a directory, a link, a FIFO: not a worktree's link file
     if not text.startswith("gitdir:"):
         return False
     target = Path(text.removeprefix("gitdir:").strip())

@@ -20,12 +20,14 @@ from loom_mcp.compile.reports import (
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, Toolchain
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, run_job
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, policy, run_job, safefs
+from loom_mcp.sandbox.runner import limit_error
 from loom_mcp.store import ArtifactStore
 
 Language = Literal["triton", "cuda", "hip"]
 Progress = Callable[[str], Awaitable[None]]
 CACHE_VERSION = "1"
+MAX_OBJECT_BYTES = 512 << 20  # a compiled object read back from the job directory
 
 
 def cache_key(*parts: str | bytes) -> str:
@@ -58,11 +60,11 @@ async def compile_source(
     progress: Progress | None = None,
 ) -> CompileResult:
     started = time.perf_counter()
-    data = source.read_bytes()
+    data = safefs.read_resolved_bytes(source)  # resolved and checked by the caller
     if language == "triton":
         compiler = f"triton {toolchain.triton or 'unknown'}"
         effective_target = target or ("interpreter" if device == "cpu" else device)
-        extra = task.read_bytes() if task else b""
+        extra = safefs.read_resolved_bytes(task) if task else b""
     else:
         # The toolchain probe (cached) already located the compiler and read its version.
         tool = "nvcc" if language == "cuda" else "hipcc"
@@ -105,12 +107,19 @@ async def _compile_native(source, language, tool_path, target, flags, job_dir, t
     else:
         argv = [tool_path, "-c", f"--offload-arch={target}", "-Rpass-analysis=kernel-resource-usage",
                 *flags, str(source), "-o", str(obj)]
-    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s), on_progress=progress)
+    # The agent's own source and headers (its allowed roots), nothing else of the host: an
+    # #include of /etc/shadow or of the ledger would come back in the diagnostics.
+    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s,
+                                readable=[source.parent, *policy.current().trusted_roots]),
+                        on_progress=progress)
     text = job.stdout_tail + "\n" + job.stderr_tail
+    if (over := limit_error(job, compiler)) is not None:
+        raise over
     if job.timed_out:
         raise LoomError(ErrorCode.TIMEOUT, f"{compiler} did not finish in {timeout_s:.0f} s")
     diagnostics = parse_diagnostics(text, source)
-    ok = job.returncode == 0 and obj.is_file()
+    # kernel.o is the job's: a link or FIFO there must not be read (and stored) by the server.
+    ok = job.returncode == 0 and safefs.is_file(job_dir, obj.name)
     if not ok and not any(d.severity == "error" for d in diagnostics):
         diagnostics.append(CompileDiagnostic(severity="error", message=text.strip()[-1500:] or
                                              f"{compiler} exited with {job.returncode}"))
@@ -119,7 +128,10 @@ async def _compile_native(source, language, tool_path, target, flags, job_dir, t
         kernels = parse_ptxas(text) if language == "cuda" else parse_amd_resource_usage(text)
         for k in kernels:
             estimate_occupancy(k, target, None)
-    artifact_id = artifacts.put_file(obj, kind=f"{language}-object") if ok else None
+    artifact_id = None
+    if ok:
+        data = safefs.read_bytes(job_dir, obj.name, MAX_OBJECT_BYTES)
+        artifact_id = artifacts.put_bytes(data, kind=f"{language}-object", name=obj.name)
     return CompileResult(ok=ok, language=language, target=target, artifact_id=artifact_id, cached=False,
                          compiler=compiler, kernels=kernels, diagnostics=diagnostics, seconds=0.0,
                          next_step=_next_step(ok, language))
@@ -132,10 +144,13 @@ async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, ta
     job = await run_job(JobSpec(
         argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"], job_dir=job_dir,
         env={**env, **code_cache_env(cache)}, writable=[cache],
+        readable=[source.parent, *([task.parent] if task else [])],  # the file imports siblings
         visible_devices=visible,
         timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
                                       "device": device},
     ), on_progress=progress)
+    if (over := limit_error(job, f"compiling {source.name}")) is not None:
+        raise over
     if job.timed_out:
         raise LoomError(ErrorCode.TIMEOUT, f"compiling {source.name} did not finish in {timeout_s:.0f} s")
     report = job.result if job.ok and job.result else None

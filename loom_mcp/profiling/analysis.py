@@ -4,34 +4,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.sandbox import safefs
 from loom_mcp.store import ArtifactStore, Ledger
-from loom_mcp.traces.models import TraceAnalysis
+from loom_mcp.traces.models import ScrubbedModel, TraceAnalysis
+from loom_mcp.traces.secrets import scrub_text
 
 
-class AnalyzeTraceResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Everything in it (next_step quotes a finding) leaves through the secret scrubber. (A comment,
+# not a docstring: a docstring would become the published output schema's description.)
+class AnalyzeTraceResult(ScrubbedModel):
     analysis_id: str = Field(description="Full tables, CSVs and the breakdown PNG: loom://traces/{analysis_id}/analysis")
     analysis: TraceAnalysis
     next_step: str
 
 
 def resolve_trace(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, trace: str) -> Path:
-    from loom_mcp.profiling.runner import artifact_path_with_suffix
+    from loom_mcp.profiling.runner import MAX_TRACE_FILE_BYTES, artifact_path_with_suffix
 
     row = ledger.run(trace)
     if row is not None:
         if row["kind"] != "trace":
             raise LoomError(ErrorCode.BAD_INPUT, f"{trace} is a {row['kind']} record, not a trace")
         suffix = ".sqlite" if row["summary_json"].find('"nsys"') >= 0 else ".json"
-        return artifact_path_with_suffix(artifacts, row["record_sha"], suffix)
-    path = config.check_allowed(Path(trace), "trace")
-    if not path.is_file():
-        raise LoomError(ErrorCode.NOT_FOUND, f"no trace id or file {trace!r}")
-    return path
+        # The store is the server's own: resolved here, opened with no link followed after.
+        return artifact_path_with_suffix(artifacts, row["record_sha"], suffix).resolve()
+    path = config.check_allowed(Path(trace), "trace")  # resolved once, here
+    try:
+        # A regular file reached through no symlink now (what was checked is what is read),
+        # within the trace size cap; trace readers open this resolved path.
+        return safefs.check_resolved_file(path, MAX_TRACE_FILE_BYTES)
+    except LoomError as exc:
+        if exc.code == ErrorCode.NOT_FOUND:
+            raise LoomError(ErrorCode.NOT_FOUND, f"no trace id or file {scrub_text(repr(trace))}") from None
+        raise
 
 
 def analyze(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, trace: str,

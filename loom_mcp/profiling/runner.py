@@ -8,8 +8,10 @@ environment/metadata blocks removed first (public traces have leaked tokens that
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,21 +20,26 @@ from typing import Literal
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import HeadlineOp, ProfileResult
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, run_job
+from loom_mcp.sandbox import JobSpec, policy, run_job, safefs
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.traces import analyze_trace_cached, scrub_trace
 
 Progress = Callable[[str], Awaitable[None]]
 Profiler = Literal["torch", "rocprofv3", "nsys"]
 
+# A raw trace copied out of a job directory: the largest real ones are about 1 GB.
+MAX_TRACE_FILE_BYTES = 4 << 30
+
 
 async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, warmup, active,
-                       device, timeout_s, progress) -> Path:
+                       device, timeout_s, progress) -> str:
+    """Run the workload under torch.profiler; the trace's name inside `job_dir`."""
     trace = job_dir / "trace.json"
     device, env, visible = job_placement(device)
     job = await run_job(JobSpec(
         argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"], job_dir=job_dir, env=env,
         visible_devices=visible,
+        readable=[Path(p).parent for p in (task, candidate, script) if p],  # they import siblings
         timeout_s=timeout_s,
         request={"trace_file": str(trace), "task": task, "candidate": candidate, "shape": shape,
                  "script": script, "args": args, "warmup": warmup, "active": active, "device": device},
@@ -43,10 +50,11 @@ async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, w
     if report["error"]:
         code = ErrorCode.BAD_INPUT if "unknown shape" in report["error"] else ErrorCode.WORKER_CRASHED
         raise LoomError(code, "the profiled workload failed: " + report["error"])
-    return trace
+    return trace.name
 
 
-async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeout_s, progress) -> Path:
+async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeout_s, progress) -> str:
+    """Run `command` under a vendor profiler; its output's name inside `job_dir`."""
     tool = shutil.which(profiler)
     if tool is None:
         raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
@@ -60,17 +68,21 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
         argv = [tool, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "--export=sqlite",
                 "-o", str(out / "trace"), *command]
     out.mkdir(parents=True, exist_ok=True)
-    # A vendor profiler around the agent's own command: it keeps its own config and temp files
-    # under HOME, and the command has the agent's trust, so the file system stays writable.
-    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s, readonly_fs=False),
+    # A vendor profiler around the agent's own command, sandboxed like benchmark_command: the
+    # allowed roots and the profiler's install tree read-only, its config and temp files in the
+    # job's private HOME and /tmp, LOOM_HOME and the real HOME out of sight.
+    tool_root = Path(os.path.realpath(tool)).parent.parent
+    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s,
+                                readable=[*policy.current().trusted_roots, tool_root]),
                         on_progress=progress)
     if not job.ok:
         raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {job.failure()}")
-    pattern = "*.json" if profiler == "rocprofv3" else "*.sqlite"
-    found = sorted(out.rglob(pattern), key=lambda p: p.stat().st_size, reverse=True)
+    suffix = ".json" if profiler == "rocprofv3" else ".sqlite"
+    # Regular files only, found without following links (the command could have planted some).
+    found = safefs.find_files(job_dir, out.name, suffix=suffix)
     if not found:
-        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} wrote no {pattern} output under {out}")
-    return found[0]
+        raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} wrote no *{suffix} output under {out}")
+    return found[0][0]
 
 
 async def profile_workload(
@@ -86,29 +98,40 @@ async def profile_workload(
     if profiler == "torch":
         if task is None and script is None:
             raise LoomError(ErrorCode.BAD_INPUT, "profiler='torch' needs task= (optionally candidate=) or script=")
-        raw = await _torch_trace(job_dir, task=str(task) if task else None,
-                                 candidate=str(candidate) if candidate else None, shape=shape,
-                                 script=str(script) if script else None, args=args, warmup=warmup,
-                                 active=active, device=device, timeout_s=timeout_s, progress=progress)
+        raw_name = await _torch_trace(job_dir, task=str(task) if task else None,
+                                      candidate=str(candidate) if candidate else None, shape=shape,
+                                      script=str(script) if script else None, args=args,
+                                      warmup=warmup, active=active, device=device,
+                                      timeout_s=timeout_s, progress=progress)
     else:
         if not command:
             raise LoomError(ErrorCode.BAD_INPUT, f"profiler='{profiler}' needs command=[...] to run")
-        raw = await _vendor_trace(job_dir, profiler, command, timeout_s, progress)
+        raw_name = await _vendor_trace(job_dir, profiler, command, timeout_s, progress)
     if progress:
         await progress("scrubbing and storing the trace")
-    scrubbed = raw.with_name("scrubbed" + raw.suffix)
-    report = scrub_trace(raw, scrubbed)
-    data = scrubbed.read_bytes()
-    if raw.suffix == ".json":
-        data = gzip.compress(data, compresslevel=6)
-    sha = artifacts.put_bytes(data, kind=f"trace-{profiler}",
-                              name=f"{trace_id}{raw.suffix}{'.gz' if raw.suffix == '.json' else ''}")
-    analysis = analyze_trace_cached(artifact_path_with_suffix(artifacts, sha, raw.suffix), top_k=5,
-                                    cache_root=cache_dir / "traces")
-    tl = analysis.timeline
-    top_ops = [HeadlineOp(name=o.name[:120], us=o.us, pct=o.pct) for o in analysis.top_ops[:5]]
-    if not tl.gpu_events and raw.suffix == ".json":
-        top_ops = top_cpu_ops(scrubbed)
+    suffix = Path(raw_name).suffix
+    # The job directory is the job's: anything there may be a link, a FIFO or a hard link to a
+    # file of the server's. The trace is copied out once (regular file, no link followed, size
+    # capped) into a private directory of the server's, and scrubbed and read only there.
+    staging = Path(tempfile.mkdtemp(prefix="profile-", dir=_staging_root(cache_dir)))
+    try:
+        raw = staging / ("raw" + suffix)
+        scrubbed = staging / ("scrubbed" + suffix)
+        safefs.copy_out(job_dir, raw_name, raw, max_bytes=MAX_TRACE_FILE_BYTES)
+        report = scrub_trace(raw, scrubbed)
+        data = scrubbed.read_bytes()
+        if suffix == ".json":
+            data = gzip.compress(data, compresslevel=6)
+        sha = artifacts.put_bytes(data, kind=f"trace-{profiler}",
+                                  name=f"{trace_id}{suffix}{'.gz' if suffix == '.json' else ''}")
+        analysis = analyze_trace_cached(artifact_path_with_suffix(artifacts, sha, suffix), top_k=5,
+                                        cache_root=cache_dir / "traces")
+        tl = analysis.timeline
+        top_ops = [HeadlineOp(name=o.name[:120], us=o.us, pct=o.pct) for o in analysis.top_ops[:5]]
+        if not tl.gpu_events and suffix == ".json":
+            top_ops = top_cpu_ops(scrubbed)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     result = ProfileResult(
         trace_id=trace_id, profiler=profiler, device=analysis.device, trace_bytes=len(data),
         scrubbed=report.removed_blocks, gpu_busy_pct=tl.busy_pct if tl.gpu_events else None,
@@ -118,6 +141,14 @@ async def profile_workload(
         next_step=f"analyze_trace(trace='{trace_id}') for the breakdown, roofline and ranked findings")
     ledger.insert_run(trace_id, "trace", sha, result.model_dump(), campaign_id)
     return result
+
+
+def _staging_root(cache_dir: Path) -> Path:
+    """Where the server copies a job's output to work on it: under its own cache, which no job
+    may write (a job writes its directory and only its own compile cache, cache/triton/<hash>)."""
+    root = cache_dir / "staging"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
 
 
 def top_cpu_ops(trace: Path, n: int = 5) -> list[HeadlineOp]:
