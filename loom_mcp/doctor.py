@@ -9,9 +9,17 @@ import anyio
 from pydantic import BaseModel
 
 from loom_mcp import __version__
-from loom_mcp.config import load_config
+from loom_mcp.config import (
+    CONFIG_FILE,
+    LAST_STARTED,
+    LoomConfig,
+    file_sha256,
+    load_config,
+    resolve_home,
+)
 from loom_mcp.devices import probe_devices
 from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.errors import LoomError, filesystem_state, storage_hint
 from loom_mcp.models import DeviceInfo, Toolchain
 from loom_mcp.sandbox.isolation import isolation_report
 
@@ -24,6 +32,7 @@ class DoctorReport(BaseModel):
     backends: dict[str, str]
     toolchain: Toolchain
     isolation: dict[str, str]
+    state: dict[str, str] = {}
     limitations: list[str]
 
 
@@ -59,11 +68,77 @@ def limitations_for(devices: list[DeviceInfo], toolchain: Toolchain, isolation: 
     return found
 
 
+def state_report(home: Path, config: LoomConfig | None, config_error: LoomError | None) -> tuple[dict[str, str], list[str]]:
+    """LOOM_HOME as a server would find it: loom.toml, the ledger, the filesystem. Reads only.
+    Returns the entries and the problems among them (each one stops a server from starting, or
+    says that a running one is not using the file on disk)."""
+    from loom_mcp.store import check_ledger
+
+    state: dict[str, str] = {}
+    problems: list[str] = []
+    config_file = home / CONFIG_FILE
+    if config_error is not None:
+        state["loom.toml"] = str(config_error)
+        problems.append(f"loom.toml: {config_error}")
+    elif not config_file.is_file():
+        state["loom.toml"] = "absent: the defaults apply"
+    else:
+        state["loom.toml"] = (f"ok (sha256 {(file_sha256(config_file) or '')[:12]}, rules fingerprint "
+                              f"{config.fingerprint() if config else '?'})")
+    last = home / "cache" / LAST_STARTED
+    if last.is_file() and config_file.is_file():
+        before, now = file_sha256(last) or "", file_sha256(config_file) or ""
+        if before != now:
+            note = (f"loom.toml changed on disk since the server last started (sha256 {before[:12]} -> "
+                    f"{now[:12]}); a running server keeps the rules it started with until a human "
+                    f"restarts it; `diff {last} {config_file}` shows what changed")
+            state["loom.toml since the last start"] = note
+            problems.append(note)
+    ledger = home / "ledger.sqlite3"
+    if not ledger.exists():
+        state["ledger"] = "none yet: the first server start creates it"
+    else:
+        try:
+            state["ledger"] = f"ok (schema v{check_ledger(ledger)})"
+        except LoomError as exc:
+            state["ledger"] = str(exc)
+            problems.append(f"ledger: {exc}")
+        except Exception as exc:  # reported; the doctor goes on
+            state["ledger"] = f"could not be checked: {type(exc).__name__}: {exc}"
+            problems.append(f"ledger: {state['ledger']}")
+    if home.is_dir():
+        fs = filesystem_state(home)
+        state["filesystem"] = "writable" if fs is None else f"[{fs.value}] {storage_hint(fs, home)}"
+        if fs is not None:
+            problems.append(f"LOOM_HOME: {state['filesystem']}")
+    else:
+        state["filesystem"] = "LOOM_HOME does not exist yet: the first server start creates it"
+    return state, problems
+
+
+def sandbox_limits(isolation: dict[str, str], config: LoomConfig) -> dict[str, str]:
+    """The probed protections with this config's amounts, and how jobs on this machine see the
+    file system (probed by building one job's root, not assumed from the kernel version)."""
+    gib = 2**30
+    for key, amount in (("memory_limit", config.job_memory_bytes), ("disk_quota", config.job_disk_bytes)):
+        if key in isolation:
+            isolation[key] = f"{amount / gib:.3g} GiB per job; {isolation[key]}"
+    return isolation
+
+
 async def build_report(home: Path | None) -> DoctorReport:
-    config = load_config(home)
+    resolved = resolve_home(home)
+    config_error: LoomError | None = None
+    try:
+        config: LoomConfig | None = load_config(home)
+    except LoomError as exc:
+        config_error, config = exc, None
+    state, problems = state_report(resolved, config, config_error)
+    if config is None:  # report the machine anyway; the server itself would refuse to start
+        config = LoomConfig(home=resolved, allowed_roots=[])
     devices, backends = await anyio.to_thread.run_sync(probe_devices)
     toolchain = await probe_toolchain(config.cache_dir / "toolchain.json", max_age_s=0.0)
-    isolation = await anyio.to_thread.run_sync(isolation_report)
+    isolation = sandbox_limits(dict(await anyio.to_thread.run_sync(isolation_report)), config)
     return DoctorReport(
         version=__version__,
         home=str(config.home),
@@ -72,7 +147,8 @@ async def build_report(home: Path | None) -> DoctorReport:
         backends=backends,
         toolchain=toolchain,
         isolation=isolation,
-        limitations=limitations_for(devices, toolchain, isolation),
+        state=state,
+        limitations=problems + limitations_for(devices, toolchain, isolation),
     )
 
 
@@ -103,6 +179,9 @@ def render(report: DoctorReport) -> str:
                      + (f" ({t.path})" if t.path else ""))
     lines.append("sandbox:")
     lines += [f"  {k}: {v}" for k, v in report.isolation.items()]
+    if report.state:
+        lines.append("state:")
+        lines += [f"  {k}: {v}" for k, v in report.state.items()]
     lines.append("will not work here:" if report.limitations else "everything is available")
     lines += [f"  - {item}" for item in report.limitations]
     return "\n".join(lines)
@@ -111,4 +190,5 @@ def render(report: DoctorReport) -> str:
 def run_doctor(home: Path | None, as_json: bool = False) -> int:
     report = anyio.run(build_report, home)
     sys.stdout.write((report.model_dump_json(indent=2) if as_json else render(report)) + "\n")
-    return 0
+    # 1 when a server could not start on this LOOM_HOME (a coded problem in `state`).
+    return 1 if any(value.startswith("[") for value in report.state.values()) else 0

@@ -65,6 +65,9 @@ async def _bench(tmp_path: Path, baseline: list[str], candidate: list[str], **kw
         "cwd": None,
         "env": None,
         "parser": "auto",
+        # the scripts and their shared counter live in tmp_path (the server passes its roots)
+        "readable": [tmp_path],
+        "writable": [tmp_path],
     }
     args.update(kw)
     return await benchmark_commands(baseline=baseline, candidate=candidate, **args)

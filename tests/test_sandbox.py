@@ -426,8 +426,9 @@ async def test_a_job_cannot_write_outside_its_own_directories(tmp_path: Path) ->
     outside = tmp_path / "task.py"
     outside.write_text("TOLERANCE = 'strict'\n")
     extra = tmp_path / "cache" / "one-file"
+    # The task is in the job's root (read-only), as a candidate's own directory would be.
     spec = JobSpec(argv=[sys.executable, "-c", TAMPER], job_dir=tmp_path / "job", writable=[extra],
-                   env={"OUTSIDE": str(outside), "EXTRA": str(extra)})
+                   readable=[tmp_path], env={"OUTSIDE": str(outside), "EXTRA": str(extra)})
     result = await run_job(spec)
     assert result.ok, result.stderr_tail
     if not result.readonly_fs:
@@ -474,7 +475,7 @@ async def test_a_job_cannot_make_the_file_system_writable_again(tmp_path: Path, 
     outside = tmp_path / "task.py"
     outside.write_text("TOLERANCE = 'strict'\n")
     spec = JobSpec(argv=[sys.executable, "-c", UNLOCK], job_dir=tmp_path / "job",
-                   env={"OUTSIDE": str(outside), "ROUTE": route})
+                   readable=[tmp_path], env={"OUTSIDE": str(outside), "ROUTE": route})
     result = await run_job(spec)
     assert result.ok, result.stderr_tail
     if not result.readonly_fs:

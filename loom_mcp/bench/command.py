@@ -76,7 +76,7 @@ import json
 import logging
 import math
 import re
-import shutil
+import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -91,7 +91,7 @@ from pydantic import ValidationError
 from loom_mcp.bench.stats import ratio_ci, summarize
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import Finding, GateConfig, RatioCI, SampleSummary
-from loom_mcp.sandbox import JobResult, JobSpec, run_job
+from loom_mcp.sandbox import JobResult, JobSpec, limit_error, policy, run_job, safefs
 
 log = logging.getLogger(__name__)
 
@@ -537,11 +537,35 @@ def _check_metrics_file(metrics_file: str) -> PurePosixPath:
     return rel
 
 
-def _read_text(path: Path) -> str:
-    size = path.stat().st_size
-    if size > MAX_METRICS_FILE_BYTES:
-        raise OutputError(f"is {size} bytes, more than {MAX_METRICS_FILE_BYTES}")
-    return path.read_text(errors="replace")
+def _read_metrics(base: Path, rel: PurePosixPath) -> bytes | None:
+    """The metrics file's bytes, None when there is none. Read beneath `base` without following
+    a link, as a regular file of at most MAX_METRICS_FILE_BYTES (a FIFO would hang the server)."""
+    st = safefs.lstat(base, rel)
+    if st is None or stat.S_ISDIR(st.st_mode):
+        return None
+    try:
+        return safefs.read_bytes(base, rel, MAX_METRICS_FILE_BYTES)
+    except safefs.UnsafeFileError as exc:
+        raise OutputError(exc.message) from exc
+
+
+def work_tree(cwd: Path) -> Path:
+    """What a command run in `cwd` may write: the top of the git working tree `cwd` lies in
+    (builds write beside the sources: build/ at the top, a cmake cache), else `cwd` itself.
+
+    Only within the allowed roots or the server's own checkouts (LOOM_HOME/worktrees: the
+    revisions mode), and never a home directory or one of its parents (a dotfiles repository
+    in $HOME would otherwise make all of it writable)."""
+    limits = policy.current()
+    inside = [*limits.trusted_roots, *([limits.loom_home / "worktrees"] if limits.loom_home else [])]
+    home = Path.home().resolve()
+    for top in (cwd, *cwd.parents):
+        if (top / ".git").exists():
+            if top != home and top not in home.parents and any(
+                    top == root or root in top.parents for root in inside):
+                return top
+            break
+    return cwd
 
 
 class _Bench:
@@ -560,8 +584,12 @@ class _Bench:
         metrics_file: PurePosixPath | None,
         allow_network: bool,
         progress: Progress | None,
+        readable: list[Path] | None = None,
+        writable: dict[Arm, list[Path]] | None = None,
     ) -> None:
         self.commands = commands
+        self.readable = readable or []
+        self.writable = writable or {}
         self.runs = runs
         self.job_dir = job_dir
         self.timeout_s = timeout_s
@@ -602,15 +630,20 @@ class _Bench:
             env=self.env,
             max_output_bytes=MAX_STDOUT_BYTES,
             allow_network=self.allow_network,
-            # The agent's own commands (servers, model caches, builds) write where they like; they
-            # run with the agent's trust, like its shell. Candidate code never runs here.
-            readonly_fs=False,
+            # The agent's own commands (servers, builds) run in the sandbox's root view like any
+            # job: the allowed roots readable, the working tree and the run's directory writable,
+            # HOME private, LOOM_HOME (ledger, loom.toml) and the real HOME out of sight.
+            readable=self.readable,
+            writable=self.writable.get(arm, []),
         )
 
         async def tick(message: str) -> None:
             await self.say(f"{label}: {message}")
 
         res = await run_job(spec, on_progress=tick if self.progress else None)
+        if (over := limit_error(res, label)) is not None:
+            # Not flaky and not the command's output: the server's limits (loom.toml) say no.
+            raise over
         record = _Run(arm, index, self.seq, res.wall_s, _status(res, self.timeout_s))
         self.history.append(record)
         text, source = await self._collect(res, run_dir, self.cwds[arm])
@@ -646,18 +679,20 @@ class _Bench:
         if self.metrics_file is None:
             return res.stdout_tail, "stdout"
         source = f"metrics_file {str(self.metrics_file)!r}"
-        path = (cwd or run_dir) / self.metrics_file
-        if not path.is_file():
-            return None, source
+        base = cwd or run_dir
         try:
-            text = await anyio.to_thread.run_sync(_read_text, path)
+            data = await anyio.to_thread.run_sync(_read_metrics, base, self.metrics_file)
         except OutputError as exc:
-            raise LoomError(ErrorCode.BAD_INPUT, f"{source} {exc}") from exc
+            raise LoomError(ErrorCode.BAD_INPUT, f"{source}: {exc}") from exc
+        if data is None:
+            return None, source
         if cwd is not None:
-            # Consumed: the next run must write its own, and this run's output is kept.
-            kept = run_dir / f"metrics-{self.metrics_file.name}"
-            await anyio.to_thread.run_sync(shutil.move, str(path), str(kept))
-        return text, source
+            # Consumed: the next run must write its own, and this run's output is kept (the
+            # bytes read, written anew: no link of the command's is followed either way).
+            kept = f"metrics-{self.metrics_file.name}"
+            await anyio.to_thread.run_sync(safefs.write_bytes, run_dir, kept, data)
+            await anyio.to_thread.run_sync(safefs.unlink, cwd, self.metrics_file)
+        return data.decode("utf-8", errors="replace"), source
 
     def check_values(self, record: _Run, metrics: Iterable[str]) -> None:
         assert record.parsed is not None
@@ -688,6 +723,8 @@ async def benchmark_commands(
     warmup: int = 0,
     allow_network: bool = False,
     gate: GateConfig | None = None,
+    readable: Sequence[Path] | None = None,
+    writable: Sequence[Path] = (),
 ) -> CommandBenchmarkResult:
     """Run `baseline` and `candidate` `runs` times each in ABBA order and compare their metrics.
 
@@ -697,6 +734,10 @@ async def benchmark_commands(
     server started outside the run); the caller decides whether that is allowed. `gate` supplies
     the CI level, bootstrap resamples and seed (defaults: 95 %, 5000, 0). See the module
     docstring for parsing, direction and the failure policy.
+
+    What the commands see (the sandbox's root view): `readable` read-only (default: the
+    server's allowed roots), each arm's working tree (`work_tree(cwd)`) and `writable`
+    read-write, their run directory (cwd when none is given, HOME) read-write.
     """
     started = time.monotonic()
     gate = gate or GateConfig()
@@ -726,17 +767,18 @@ async def benchmark_commands(
             raise LoomError(ErrorCode.NOT_FOUND, f"cwd {resolved} is not a directory")
         run_cwds[arm] = resolved
     rel = _check_metrics_file(metrics_file) if metrics_file is not None else None
-    stale = [w / rel for w in run_cwds.values() if w is not None and rel is not None]
-    for path in stale:
-        if path.exists():
+    stale = [w for w in run_cwds.values() if w is not None and rel is not None]
+    for where in stale:
+        assert rel is not None
+        if safefs.exists(where, rel):  # a link counts: nothing is followed
             raise LoomError(
                 ErrorCode.BAD_INPUT,
-                f"metrics_file {path} exists before the first run: remove it, so a stale result "
-                "cannot pass for a fresh one",
+                f"metrics_file {where / rel} exists before the first run: remove it, so a stale "
+                "result cannot pass for a fresh one",
             )
     job_dir = Path(job_dir).expanduser().resolve()
     try:  # the env is the same for every run: refuse a bad one before anything runs
-        JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}), readonly_fs=False)
+        JobSpec(argv=list(baseline), job_dir=job_dir, env=dict(env or {}))
     except ValidationError as exc:
         raise LoomError(ErrorCode.BAD_INPUT, f"env: {exc.errors()[0]['msg']}") from exc
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -752,6 +794,9 @@ async def benchmark_commands(
         metrics_file=rel,
         allow_network=allow_network,
         progress=progress,
+        readable=[Path(p) for p in (policy.current().trusted_roots if readable is None else readable)],
+        writable={arm: [*([work_tree(where)] if where is not None else []), *map(Path, writable)]
+                  for arm, where in run_cwds.items()},
     )
     for _ in range(warmup):
         for arm in ("baseline", "candidate"):
@@ -962,4 +1007,4 @@ def _write_samples(
         "pairs": [{"baseline": p["baseline"].seq, "candidate": p["candidate"].seq} for p in pairs],
         "failed": [f.seq for f in failures],
     }
-    path.write_text(json.dumps(record, indent=1))
+    safefs.write_text(path.parent, path.name, json.dumps(record, indent=1))

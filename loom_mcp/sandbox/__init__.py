@@ -4,7 +4,7 @@ from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.isolation import isolation_report
 from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache, code_cache_env
 from loom_mcp.sandbox.lease import DeviceLease, lease_holder
-from loom_mcp.sandbox.runner import run_job
+from loom_mcp.sandbox.runner import limit_error, run_job
 
 __all__ = [
     "DeviceLease",
@@ -14,6 +14,7 @@ __all__ = [
     "code_cache_env",
     "isolation_report",
     "lease_holder",
+    "limit_error",
     "run_job",
     "worker_env",
 ]

@@ -21,6 +21,13 @@ Process layout with a pid namespace (the normal case on Linux with user namespac
 When init exits the kernel kills every process left in the namespace, setsid() or not, so
 "kill the job" is "kill init". Without a pid namespace the launcher is a child subreaper: every
 orphan of the job is re-parented to it and stays findable by a /proc scan.
+
+What the job sees of the file system is set up by init, before the worker starts (it needs the
+mount namespace, which comes with the pid namespace): preferably a root of its own, built on a
+tmpfs from an allowlist the server computed (`loom_mcp.sandbox.view`: system directories, the
+interpreter, a few /etc files, a minimal /dev, private /tmp, the job's own directories); if the
+kernel refuses that, the host's tree made read-only outside the job's writable directories.
+Each job reports which of the two it got ("view": "allowlist" / "readonly").
 """
 
 from __future__ import annotations
@@ -57,9 +64,11 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
+MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -68,6 +77,9 @@ SYS_MOUNT_SETATTR = 442
 MOUNT_ATTR_RDONLY = 0x1
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
+MNT_DETACH = 2
+# pivot_root(2) has no libc wrapper; its number differs per architecture.
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
@@ -92,8 +104,9 @@ def _libc() -> Any:
         ctypes.c_char_p,
         ctypes.c_char_p,
         ctypes.c_ulong,
-        ctypes.c_void_p,
+        ctypes.c_char_p,
     ]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     libc.prctl.argtypes = [
         ctypes.c_int,
         ctypes.c_ulong,
@@ -114,17 +127,31 @@ def _prctl(option: int, arg: int) -> None:
     _check(_libc().prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
-def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int) -> None:
-    _check(_libc().mount(source, target, fstype, flags, None), f"mount {target.decode()}")
+def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,
+           data: bytes | None = None) -> None:
+    _check(_libc().mount(source, target, fstype, flags, data), f"mount {target.decode()}")
 
 
-def _mount_setattr(path: str, set_flags: int, clear_flags: int) -> None:
-    """mount_setattr(2) on `path` and every mount below it."""
+def _umount(target: str, flags: int = MNT_DETACH) -> None:
+    _check(_libc().umount2(target.encode(), flags), f"umount {target}")
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on {os.uname().machine}")
+    ret = _libc().syscall(ctypes.c_long(number), ctypes.c_char_p(new_root.encode()),
+                          ctypes.c_char_p(put_old.encode()))
+    _check(ret, f"pivot_root {new_root}")
+
+
+def _mount_setattr(path: str, set_flags: int, clear_flags: int, recursive: bool = True) -> None:
+    """mount_setattr(2) on `path` (and every mount below it when `recursive`)."""
     attr = (ctypes.c_uint64 * 4)(set_flags, clear_flags, 0, 0)  # struct mount_attr
     libc = _libc()
     ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD),
-                       ctypes.c_char_p(path.encode()), ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr),
-                       ctypes.c_size_t(ctypes.sizeof(attr)))
+                       ctypes.c_char_p(path.encode()), ctypes.c_uint(AT_RECURSIVE if recursive else 0),
+                       ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _check(ret, f"mount_setattr {path}")
 
 
@@ -147,6 +174,144 @@ def _readonly_fs(writable: list[str]) -> None:
     # The working directory still points into the mount underneath (now read-only): enter it
     # again by name, which lands on the writable bind mount on top.
     os.chdir(os.getcwd())
+
+
+# statvfs f_flag bits -> mount flags: a remount in a user namespace must repeat the flags the
+# host locked on the mount (nosuid, nodev, ...), or the kernel refuses it.
+_ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048,
+             4096: 1 << 21}
+
+
+def _make_readonly(path: str, recursive: bool = True) -> None:
+    try:
+        _mount_setattr(path, MOUNT_ATTR_RDONLY, 0, recursive)
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        # Before Linux 5.12: remount the top mount only (submounts keep their own flags).
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for st, ms in _ST_TO_MS.items():
+            if os.statvfs(path).f_flag & st:
+                flags |= ms
+        _mount(None, path.encode(), None, flags)
+
+
+def _touch(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+
+_NEW, _OLD = "/newroot", "/oldroot"
+
+
+def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
+    """One entry of the server's plan (`loom_mcp.sandbox.view`), inside the root being built.
+
+    Paths are the job's (absolute, real: no symlink in them, so nothing below resolves out of
+    the new root); sources are read through the host's root, now at /oldroot.
+    """
+    kind, dst = op["op"], _NEW + op["path"]
+    if kind == "tmpfs":
+        os.makedirs(dst, exist_ok=True)
+        _mount(b"tmpfs", dst.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, op["options"].encode())
+        if op.get("readonly"):
+            later_readonly.append(dst)  # once what is mounted below it has its mount point
+    elif kind == "bind":
+        src = _OLD + op["src"]
+        if os.path.isdir(src):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if not os.path.exists(dst):
+                _touch(dst)
+        _mount(src.encode(), dst.encode(), None, MS_BIND | MS_REC)
+        if op["mode"] == "ro":
+            _make_readonly(dst)
+    elif kind == "mask":
+        # Something secret inside a directory that is bound as a whole: cover it with an empty
+        # read-only tmpfs (a directory) or /dev/null (a file). The job's own directories below
+        # it are bound on top afterwards.
+        if os.path.isdir(dst):
+            _mount(b"tmpfs", dst.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=0755")
+            later_readonly.append(dst)
+        else:
+            _mount(b"/oldroot/dev/null", dst.encode(), None, MS_BIND)
+            _make_readonly(dst, recursive=False)
+    elif kind == "symlink":
+        if not os.path.lexists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.symlink(op["target"], dst)
+    elif kind == "proc":
+        os.makedirs(dst, exist_ok=True)
+        _mount(b"proc", dst.encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    elif kind == "devpts":
+        os.makedirs(dst, exist_ok=True)
+        _mount(b"devpts", dst.encode(), b"devpts", MS_NOSUID | MS_NOEXEC,
+               b"newinstance,ptmxmode=0666,mode=0620")
+    else:
+        raise OSError(errno.EINVAL, f"unknown view entry {kind!r}")
+
+
+def _build_root(view: dict[str, Any]) -> list[str]:
+    """Give this mount namespace a root of its own that holds only what `view` lists.
+
+    Run by init of the job's pid namespace (a fresh /proc can be mounted there, while the host's
+    is still in sight, which the kernel requires of a user namespace). The steps are
+    bubblewrap's: a tmpfs becomes the root with the host's tree at /oldroot, the new root is
+    assembled at /newroot from bind mounts of /oldroot paths, the host's tree is detached, and
+    /newroot becomes /. Nothing of the host is reachable afterwards except what was bound:
+    not its sockets (an AF_UNIX path is a file), not LOOM_HOME, not $HOME, not /etc/shadow.
+
+    Returns the optional entries that failed (a missing device node, ...). Raises OSError with
+    the host's root restored when a required entry fails (the caller falls back), _Broken when
+    it could not even be restored.
+    """
+    cwd = view["cwd"]
+    base = "/tmp" if os.path.isdir("/tmp") else cwd
+    # Mounted over the host's /tmp only in this namespace, and moved away by the first pivot.
+    _mount(b"tmpfs", base.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0700")
+    try:
+        os.mkdir(base + _NEW, 0o755)
+        os.mkdir(base + _OLD, 0o755)
+        _pivot_root(base, base + _OLD)
+    except OSError:
+        with contextlib.suppress(OSError):
+            _umount(base)
+        raise
+    os.chdir("/")
+    problems: list[str] = []
+    try:
+        _mount(b"tmpfs", _NEW.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=4m,mode=0755")
+        later_readonly = [_NEW]
+        for op in view["ops"]:
+            try:
+                _apply_op(op, later_readonly)
+            except OSError as exc:
+                if not op.get("optional"):
+                    raise OSError(exc.errno, f"{op['op']} {op['path']}: {exc.strerror or exc}") from exc
+                problems.append(f"{op['path']}: {exc.strerror or exc}")
+        for path in later_readonly:
+            _make_readonly(path, recursive=False)
+        _mount(None, _OLD.encode(), None, MS_REC | MS_PRIVATE)
+        _umount(_OLD)
+    except BaseException:
+        # Back to the host's root: the half-built one goes with the tmpfs it lives on.
+        try:
+            os.chdir(_OLD)
+            _pivot_root(".", ".")
+            _umount(".")
+            os.chdir(cwd)
+        except OSError as exc:
+            raise _Broken(f"cannot restore the root after a failed view: {exc}") from exc
+        raise
+    # /newroot becomes / (the base tmpfs, stacked on top by pivot_root, is dropped).
+    try:
+        os.chdir(_NEW)
+        _pivot_root(".", ".")
+        _umount(".")
+        os.chdir(cwd)
+    except OSError as exc:
+        raise _Broken(f"cannot enter the new root: {exc}") from exc
+    return problems
 
 
 def _write(path: str, text: str) -> None:
@@ -251,7 +416,8 @@ def descendants(root: int) -> dict[int, str]:
 
 
 def kill_tree(
-    root: int, cgroup: str | None = None, deadline_s: float = 5.0, include_root: bool = True
+    root: int, cgroup: str | list[str] | None = None, deadline_s: float = 5.0,
+    include_root: bool = True,
 ) -> None:
     """SIGKILL every descendant of `root`, then `root`. Blocking; call it from a thread.
 
@@ -266,8 +432,8 @@ def kill_tree(
             _reap_nohang()
         kids = descendants(root)
         victims = [pid for pid, state in kids.items() if state != "Z"]
-        if cgroup:
-            victims += cgroup_pids(cgroup)
+        for path in [cgroup] if isinstance(cgroup, str) else cgroup or []:
+            victims += cgroup_pids(path)
         if not kids and not victims:
             break
         for pid in victims:
@@ -292,23 +458,29 @@ def _reap_nohang() -> None:
             return
 
 
-# ----------------------------------------------------------------------------- pids cgroup
+# ----------------------------------------------------------------------------- job cgroups
+
+# Per controller and cgroup version: the file that holds the job's limit.
+_LIMIT_FILES = {("pids", "v1"): "pids.max", ("pids", "v2"): "pids.max",
+                ("memory", "v1"): "memory.limit_in_bytes", ("memory", "v2"): "memory.max"}
 
 
-def _pids_cgroup_dirs() -> list[Path]:
-    """Our own cgroup directory in each hierarchy that could carry a pids limit."""
+def _cgroup_dirs() -> list[tuple[str, set[str], Path]]:
+    """(version, controllers, our own cgroup directory) for each mounted hierarchy."""
     try:
         cgroup_lines = Path("/proc/self/cgroup").read_text().splitlines()
         mount_lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
         return []
-    v1_path = v2_path = None
+    v2_path = None
+    v1_paths: dict[str, str] = {}
     for line in cgroup_lines:
         hier, controllers, path = line.split(":", 2)
         if hier == "0" and controllers == "":
             v2_path = path
-        elif "pids" in controllers.split(","):
-            v1_path = path
+        else:
+            for controller in controllers.split(","):
+                v1_paths[controller] = path
     dirs = []
     for line in mount_lines:
         pre, _, post = line.partition(" - ")
@@ -316,44 +488,84 @@ def _pids_cgroup_dirs() -> list[Path]:
         if len(fields) < 5 or len(post_fields) < 3:
             continue
         root, mountpoint, fstype = fields[3], fields[4], post_fields[0]
-        if fstype == "cgroup" and "pids" in post_fields[2].split(",") and v1_path:
-            own = v1_path
+        if fstype == "cgroup":
+            controllers = set(post_fields[2].split(",")) & {"pids", "memory"}
+            own = v1_paths.get(next(iter(controllers), ""))
+            version = "v1"
         elif fstype == "cgroup2" and v2_path:
-            own = v2_path
+            own, version = v2_path, "v2"
+            controllers = set()
         else:
+            continue
+        if not own:
             continue
         # A bind-mounted sub-hierarchy (containers): our path is relative to the mount's root.
         if root != "/" and own.startswith(root):
             own = own[len(root) :]
-        dirs.append(Path(mountpoint) / own.lstrip("/"))
+        path = Path(mountpoint) / own.lstrip("/")
+        if version == "v2":
+            try:
+                controllers = set((path / "cgroup.controllers").read_text().split())
+            except OSError:
+                continue
+        dirs.append((version, controllers, path))
     return dirs
 
 
-_cgroup_counter = itertools.count()
+def _try_controller(version: str, parent: Path, controller: str) -> bool:
+    """Can we create a child of `parent` carrying `controller`'s limit, and join it?
 
-
-def _make_cgroup(parent: Path, name: str, limit: int) -> Path:
-    path = parent / name
-    path.mkdir()
+    cgroup v2 only gives a child a controller its parent enables in cgroup.subtree_control,
+    which the kernel refuses while the parent itself holds processes (the server's own cgroup,
+    usually): then there is no memory cgroup for jobs and the launcher uses RLIMIT_DATA.
+    """
+    probe = parent / f"loom-probe-{os.getpid()}-{controller}"
+    limit_file = _LIMIT_FILES[(controller, version)]
     try:
-        (path / "pids.max").write_text(str(limit))
+        probe.mkdir()
     except OSError:
-        path.rmdir()
-        raise
-    return path
+        return False
+    try:
+        if version == "v2" and not (probe / limit_file).exists():
+            with contextlib.suppress(OSError):
+                (parent / "cgroup.subtree_control").write_text(f"+{controller}")
+        (probe / limit_file).write_text("-1" if limit_file == "memory.limit_in_bytes" else "max")
+        # Joining needs write access to cgroup.procs of the common ancestor as well: try it
+        # from a child that does nothing else.
+        kid = os.fork()
+        if kid == 0:
+            try:
+                _write(str(probe / "cgroup.procs"), "0")
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        _, status = os.waitpid(kid, 0)
+        return os.waitstatus_to_exitcode(status) == 0
+    except OSError:
+        return False
+    finally:
+        remove_job_cgroup(str(probe))
 
 
 @functools.cache
+def cgroup_parents() -> dict[str, tuple[str, Path]]:
+    """controller ("pids", "memory") -> (cgroup version, directory under which job cgroups with
+    that controller's limit can be created and joined). Probed once per process (blocking)."""
+    found: dict[str, tuple[str, Path]] = {}
+    for version, controllers, path in _cgroup_dirs():
+        for controller in ("pids", "memory"):
+            if controller in found or controller not in controllers:
+                continue
+            if _try_controller(version, path, controller):
+                found[controller] = (version, path)
+                _sweep_stale_cgroups(path)
+    return found
+
+
 def pids_cgroup_parent() -> Path | None:
     """A cgroup directory under which we may create job cgroups with a pids limit, or None."""
-    for parent in _pids_cgroup_dirs():
-        try:
-            _make_cgroup(parent, f"loom-probe-{os.getpid()}", 10).rmdir()
-        except OSError:
-            continue
-        _sweep_stale_cgroups(parent)
-        return parent
-    return None
+    found = cgroup_parents().get("pids")
+    return found[1] if found else None
 
 
 def _sweep_stale_cgroups(parent: Path) -> None:
@@ -368,15 +580,69 @@ def _sweep_stale_cgroups(parent: Path) -> None:
                 entry.rmdir()
 
 
+_cgroup_counter = itertools.count()
+
+
+def create_job_cgroups(max_tasks: int | None, memory_bytes: int | None) -> dict[str, str]:
+    """Fresh cgroups for one job: controller -> directory (the launcher joins each).
+
+    `max_tasks`: a pids limit (None: none wanted). `memory_bytes`: memory.max with swap off
+    (v2) / memory.limit_in_bytes and memsw (v1); on v2 the OOM killer then ends the whole job
+    (memory.oom.group), not one of its processes. Controllers that are not available, or
+    whose setup fails, are left out: the caller falls back (RLIMIT_NPROC, RLIMIT_DATA).
+    """
+    wanted = {"pids": max_tasks, "memory": memory_bytes}
+    parents = cgroup_parents()
+    made: dict[Path, Path] = {}  # parent -> the job's directory under it
+    out: dict[str, str] = {}
+    name = f"loom-{os.getpid()}-{next(_cgroup_counter)}"
+    for controller, value in wanted.items():
+        if not value or controller not in parents:
+            continue
+        version, parent = parents[controller]
+        try:
+            path = made.get(parent)
+            if path is None:
+                path = parent / name
+                path.mkdir()
+                made[parent] = path
+            if controller == "pids":
+                (path / "pids.max").write_text(str(value))
+            elif version == "v2":
+                (path / "memory.max").write_text(str(value))
+                for extra, text in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                    with contextlib.suppress(OSError):
+                        (path / extra).write_text(text)
+            else:
+                (path / "memory.limit_in_bytes").write_text(str(value))
+                with contextlib.suppress(OSError):  # only where swap accounting is on
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(value))
+            out[controller] = str(path)
+        except OSError:
+            continue
+    for path in made.values():
+        if str(path) not in out.values():
+            remove_job_cgroup(str(path))
+    return out
+
+
 def create_job_cgroup(limit: int) -> str | None:
     """A fresh pids cgroup for one job (the launcher joins it), or None if unavailable."""
-    parent = pids_cgroup_parent()
-    if parent is None:
-        return None
-    try:
-        return str(_make_cgroup(parent, f"loom-{os.getpid()}-{next(_cgroup_counter)}", limit))
-    except OSError:
-        return None
+    return create_job_cgroups(limit, None).get("pids")
+
+
+def cgroup_oom_kills(path: str) -> int:
+    """How many processes the kernel's OOM killer ended in this job cgroup (v2 or v1)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = Path(path, name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return 0
 
 
 def cgroup_pids(path: str) -> list[int]:
@@ -476,23 +742,156 @@ def _probe_one(features: list[str]) -> dict[str, Any]:
         return {"ok": False, "error": "probe died"}
 
 
-def _probe_main() -> NoReturn:
+def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
+    """In init, inside a freshly built root: does it hide and show what it should?"""
+
+    def hidden(path: str) -> bool:
+        return not os.path.lexists(path)
+
+    def writes(path: str) -> bool:
+        try:
+            with open(path, "w") as f:
+                f.write("x")
+            return True
+        except OSError:
+            return False
+
+    def reads(path: str) -> bool:
+        try:
+            with open(path) as f:
+                return f.read() == "ok"
+        except OSError:
+            return False
+
+    def connects(path: str) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(2)
+                s.connect(path)
+            return True
+        except OSError:
+            return False
+
+    return {
+        "proc": os.path.exists("/proc/self") and os.readlink("/proc/self") == "1",
+        "etc_secrets_hidden": all(hidden(p) for p in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers",
+                                                       "/etc/ssh")),
+        "etc_passwd_kept": os.path.exists("/etc/passwd") or not checks.get("passwd"),
+        "host_files_hidden": hidden(checks["secret"]),
+        "host_socket_blocked": not connects(checks["socket"]),
+        "loom_home_hidden": all(hidden(p) for p in checks["loom_home"]),
+        "home_hidden": all(hidden(p) for p in checks["home"]),
+        "readable": reads(checks["readable"]),
+        "readable_is_readonly": not writes(checks["readable"]),
+        "job_dir_writable": writes(os.path.join(checks["job_dir"], "probe")),
+        "tmp_writable": writes("/tmp/probe"),
+        "dev_null": writes("/dev/null"),
+    }
+
+
+def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """In a throw-away child: build a job's root in init of a new pid namespace and check it."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            _enter_namespaces(features)
+            init = os.fork()
+            if init == 0:
+                try:
+                    problems = _build_root(cfg["view"])
+                    out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
+                    out["ok"] = all(out["checks"].values())
+                    if problems:
+                        out["problems"] = problems
+                    if not out["ok"]:
+                        failed = [k for k, v in out["checks"].items() if not v]
+                        out["error"] = "the root view did not hold: " + ", ".join(failed)
+                except BaseException as exc:
+                    out = {"ok": False, "error": str(exc)}
+                os.write(w, json.dumps(out).encode())
+                os._exit(0)
+            os.waitpid(init, 0)
+        except BaseException as exc:
+            os.write(w, json.dumps({"ok": False, "error": str(exc)}).encode())
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 4096):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(b"".join(chunks) or b"{}") or {"ok": False, "error": "probe died"}
+    except ValueError:
+        return {"ok": False, "error": "probe died"}
+
+
+def _probe_main(view_cfg: dict[str, Any] | None) -> NoReturn:
     results = {name: _probe_one(features) for name, features in _PROBES.items()}
+    if view_cfg is not None:
+        features = next((_PROBES[n] for n in ("user+net+pid", "user+pid") if results[n].get("ok")), None)
+        if features is None:
+            results["view"] = {"ok": False, "error": "needs a pid (and mount) namespace"}
+        else:
+            results["view"] = _probe_view(features, view_cfg)
     sys.stdout.write(json.dumps({"uid": os.geteuid(), "probes": results}))
     sys.stdout.flush()
     os._exit(0)
 
 
+def _view_probe_config(scratch: Path) -> dict[str, Any]:
+    """A job view to probe with, and what to look for inside it (server side)."""
+    from loom_mcp.sandbox import view as view_plan  # not in the launcher: it is stdlib-only
+
+    job, readable, secret = scratch / "job", scratch / "readable", scratch / "secret"
+    for path in (job, readable, secret):
+        path.mkdir()
+    (readable / "file").write_text("ok")
+    (secret / "file").write_text("secret")
+    hidden = view_plan.hidden_paths()
+    home = Path.home()
+    bound = view_plan.system_paths()
+    # $HOME's entries that no system bind needs (the interpreter may live under it: pyenv)
+    home_entries = []
+    with contextlib.suppress(OSError):
+        for entry in sorted(home.iterdir())[:50]:
+            if not any(b == entry or entry in b.parents or b in entry.parents for b in bound):
+                home_entries.append(str(entry))
+    return {
+        "view": {"ops": view_plan.job_view(job_dir=job, readable=[readable], writable=[],
+                                           tmp_bytes=1 << 20),
+                 "cwd": str(job)},
+        "checks": {"secret": str(secret / "file"), "socket": str(scratch / "sock"),
+                   "loom_home": [str(p) for p in hidden if p.exists()][:5],
+                   "home": home_entries[:8], "readable": str(readable / "file"),
+                   "job_dir": str(job), "passwd": os.path.exists("/etc/passwd")},
+    }
+
+
 @functools.cache
 def capabilities() -> dict[str, Any]:
-    """What this machine allows, probed once per server process. Blocking (~0.1 s)."""
+    """What this machine allows, probed once per server process. Blocking (~0.2 s)."""
     caps: dict[str, Any] = {"uid": os.geteuid(), "probes": {}, "error": None}
     if sys.platform != "linux":
         caps["error"] = f"namespaces need Linux, this is {sys.platform}"
     else:
+        import shutil
+        import tempfile
+
+        scratch = Path(tempfile.mkdtemp(prefix="loom-probe-"))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            listener.bind(str(scratch / "sock"))
+            listener.listen(1)
+            try:
+                view_cfg: dict[str, Any] | None = _view_probe_config(scratch)
+            except Exception as exc:  # a planning bug must not cost the other protections
+                view_cfg = None
+                caps["view_error"] = f"cannot plan a root view: {exc}"
             proc = subprocess.run(
-                [sys.executable, "-I", "-S", LAUNCHER, "--probe"],
+                [sys.executable, "-I", "-S", LAUNCHER, "--probe", json.dumps(view_cfg)],
                 capture_output=True,
                 timeout=30,
                 stdin=subprocess.DEVNULL,
@@ -500,7 +899,13 @@ def capabilities() -> dict[str, Any]:
             caps.update(json.loads(proc.stdout))
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             caps["error"] = f"probe failed: {exc}"
-    caps["cgroup"] = str(pids_cgroup_parent() or "") or None
+        finally:
+            listener.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+    parents = cgroup_parents()
+    caps["cgroup"] = str(parents["pids"][1]) if "pids" in parents else None
+    caps["memory_cgroup"] = (f"{parents['memory'][0]} {parents['memory'][1]}"
+                             if "memory" in parents else None)
     return caps
 
 
@@ -509,7 +914,8 @@ def _ok(caps: dict[str, Any], name: str) -> bool:
 
 
 def plan(caps: dict[str, Any], allow_network: bool) -> dict[str, Any]:
-    """Features for one job: namespaces to enter and how to cap the process count."""
+    """Features for one job: namespaces to enter, how to cap the process count, whether it gets
+    a root of its own, and how its memory is limited."""
     if not allow_network and _ok(caps, "user+net+pid"):
         name = "user+net+pid"
     elif not allow_network and _ok(caps, "user+net"):
@@ -526,6 +932,12 @@ def plan(caps: dict[str, Any], allow_network: bool) -> dict[str, Any]:
     return {
         "unshare": features,
         "limit_by": "nproc" if nproc else ("cgroup" if caps.get("cgroup") else None),
+        # The root view is built by init, so it needs the pid namespace (and its mount ns).
+        # LOOM_SANDBOX_VIEW=readonly is the way back to the read-only host tree, for a machine
+        # where a toolchain needs a path the allowlist does not bind.
+        "view": "pid" in features and _ok(caps, "view")
+        and os.environ.get("LOOM_SANDBOX_VIEW", "allowlist") != "readonly",
+        "memory": "cgroup" if caps.get("memory_cgroup") else "rlimit",
     }
 
 
@@ -533,10 +945,12 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
     def why(name: str) -> str:
         if caps.get("error"):
             return caps["error"]
-        return caps["probes"].get(name, {}).get("error") or "not available"
+        return caps["probes"].get(name, {}).get("error") or caps.get(f"{name}_error") or "not available"
 
     cut = plan(caps, allow_network=False)
     features = cut["unshare"]
+    checks: dict[str, bool] = caps["probes"].get("view", {}).get("checks") or {}
+    view = cut["view"]
     report: dict[str, str] = {}
     if "net" in features:
         report["network"] = "cut (user+net namespace; the job has only its own loopback)"
@@ -552,13 +966,60 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
             "no pid namespace (" + why("user+pid") + "); the launcher is a child subreaper and "
             "kills its whole subtree by /proc scan"
         )
+    if view:
+        report["root_view"] = (
+            "allowlist: each job gets a root of its own (tmpfs + pivot_root in its mount "
+            "namespace) holding only system directories, the interpreter and its packages, GPU "
+            "toolkits, a curated /etc, a minimal /dev with the GPU nodes, private /tmp, /run and "
+            "/dev/shm, and the directories the job names (probed: " + _passed(checks) + ")"
+        )
+    elif "pid" in features:
+        report["root_view"] = (
+            f"not available ({why('view')}): jobs see the host's tree, read-only outside their "
+            "own directories"
+        )
+    else:
+        report["root_view"] = "not available: no mount namespace for jobs here"
     if "pid" in features:
         report["filesystem"] = (
             "read-only for judged code outside its job directory and its own compile cache "
-            "(mount namespace + mount_setattr, Linux 5.12+; each job records whether it held)"
+            "(each job records the view it had: 'allowlist' or, as a fallback, 'readonly' "
+            "via mount_setattr, Linux 5.12+)"
         )
     else:
-        report["filesystem"] = "writable: no mount namespace for jobs here"
+        report["filesystem"] = "not read-only: no mount namespace for jobs here"
+
+    def held(key: str, yes: str, no: str) -> str:
+        return yes if view and checks.get(key) else "not " + no
+
+    report["etc_secrets"] = held(
+        "etc_secrets_hidden", "hidden: /etc/shadow, gshadow, sudoers and ssh are not in a job's root",
+        "hidden: jobs read the host's /etc (file permissions only)")
+    report["host_sockets"] = held(
+        "host_socket_blocked", "out of reach: no host path is in a job's root, so no host AF_UNIX "
+        "socket (docker.sock, ssh-agent, X11) can be connected to",
+        "blocked: the network namespace does not cover path sockets and the host tree is visible")
+    report["loom_home"] = held(
+        "loom_home_hidden", "hidden: a job sees only its own job and compile-cache directories "
+        "(trusted workers: the job directories, read-only; never the ledger or loom.toml)",
+        "hidden: LOOM_HOME (ledger, config, other jobs) is readable by jobs")
+    report["home"] = held(
+        "home_hidden", "private: HOME is the job's own directory and the real one is not in "
+        "its root (trusted workers reading allowed roots that contain it: credentials masked)",
+        "hidden: HOME points at the job's own directory, but the real one stays readable")
+    memory = caps.get("memory_cgroup")
+    if memory:
+        report["memory_limit"] = (f"enforced per job (job_memory_bytes): cgroup {memory.split()[0]} "
+                                  f"under {memory.split(' ', 1)[1]}; an OOM kill is reported as "
+                                  "memory_exceeded")
+    else:
+        report["memory_limit"] = (
+            "enforced per job (job_memory_bytes) by RLIMIT_DATA: no writable memory cgroup here; "
+            "CPU allocations past it fail (MemoryError) and are reported as memory_exceeded")
+    report["disk_quota"] = (
+        "enforced per job (job_disk_bytes): the supervisor sums what the job's directories grew "
+        "by about once a second and kills it past the quota; its /tmp and /dev/shm are tmpfs of "
+        "that size; RLIMIT_FSIZE per file")
     if cut["limit_by"] == "nproc":
         report["process_limit"] = "enforced: RLIMIT_NPROC inside a user namespace"
     elif cut["limit_by"] == "cgroup":
@@ -570,11 +1031,27 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
         )
     else:
         report["process_limit"] = "not enforced: no user namespace and no writable pids cgroup"
+    report["capabilities"] = (
+        "dropped before exec: empty bounding, permitted, effective and ambient sets, no_new_privs")
     report["core_dumps"] = "off (RLIMIT_CORE=0)"
     report["file_size"] = "limited per job (RLIMIT_FSIZE)"
     report["environment"] = "allowlist; secret-looking names dropped"
     report["output"] = "bounded tail of stdout/stderr; results over a private pipe"
+    report["timing"] = ("taken by a trusted timer process that runs no candidate code (CPU: the "
+                        "handshake; GPU: the arms' own events, checked against its brackets)")
+    report["audit_hook"] = ("in every process that imports candidate code: frame walks, ctypes, "
+                            "/proc/self/mem, dynamic code, tracing and gc from candidate code "
+                            "are refused and reported (guard.* findings)")
+    import shutil
+
+    bwrap = shutil.which("bwrap")
+    report["bwrap"] = (f"found at {bwrap}, not used: " if bwrap else "bwrap: not installed, ") + (
+        "the launcher builds the view in its own mount namespace")
     return report
+
+
+def _passed(checks: dict[str, bool]) -> str:
+    return ", ".join(k for k, v in checks.items() if v) or "nothing"
 
 
 @functools.cache
@@ -662,7 +1139,39 @@ def _wait_for(pid: int) -> int:
             return status
 
 
-def _run_with_init(argv: list[str], meta_fd: int | None, worker_fds: list[int]) -> NoReturn:
+def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """In init: the job's file system (its own root, else the host's read-only) and /proc."""
+    applied: dict[str, Any] = {"view": "none", "readonly_fs": False, "proc": False}
+    errors: dict[str, str] = {}
+    view = cfg.get("view")
+    if view is not None:
+        try:
+            problems = _build_root(view)
+        except OSError as exc:
+            errors["view"] = str(exc)
+        else:
+            applied.update(view="allowlist", readonly_fs=True)
+            applied["proc"] = not any(p.startswith("/proc:") for p in problems)
+            if problems:
+                errors["view"] = "; ".join(problems)
+    writable = cfg.get("writable")
+    if applied["view"] == "none" and writable is not None:
+        try:
+            _readonly_fs(writable)
+            applied.update(view="readonly", readonly_fs=True)
+        except OSError as exc:
+            errors["readonly_fs"] = str(exc)
+    if applied["view"] != "allowlist":
+        try:
+            _mount_proc()
+            applied["proc"] = True
+        except OSError as exc:
+            errors["proc"] = str(exc)
+    return applied, errors
+
+
+def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
+                   worker_fds: list[int]) -> NoReturn:
     status_r, status_w = os.pipe()
     # init arms PDEATHSIG after fork; if we died before that, this pipe reads EOF.
     alive_r, alive_w = os.pipe()
@@ -674,10 +1183,11 @@ def _run_with_init(argv: list[str], meta_fd: int | None, worker_fds: list[int]) 
         if select.select([alive_r], [], [], 0)[0]:
             os._exit(1)
         try:
-            _mount_proc()
-            _write_meta(meta_fd, {"stage": "init", "proc": True})
-        except OSError as exc:
-            _write_meta(meta_fd, {"stage": "init", "proc": False, "error": str(exc)})
+            applied, errors = _setup_fs(cfg)
+        except _Broken as exc:
+            os.write(2, f"loom sandbox: setup failed: {exc}\n".encode())
+            os._exit(SETUP_FAILED)
+        _write_meta(meta_fd, {"stage": "init", "applied": applied, "errors": errors})
         _close(meta_fd)
         worker = os.fork()
         if worker == 0:
@@ -731,14 +1241,32 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     if fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    applied: dict[str, Any] = {"user": False, "net": False, "pid": False, "nproc": None}
+    applied: dict[str, Any] = {"user": False, "net": False, "pid": False, "nproc": None,
+                               "memory": None}
     errors: dict[str, str] = {}
-    if cfg.get("cgroup"):
+    joined: dict[str, str] = {}
+    for controller, path in (cfg.get("cgroups") or {}).items():
+        if path in joined.values():  # cgroup v2: one directory carries every controller
+            joined[controller] = path
+            continue
         try:
-            _write(os.path.join(cfg["cgroup"], "cgroup.procs"), "0")
-            applied["cgroup"] = cfg["cgroup"]
+            _write(os.path.join(path, "cgroup.procs"), "0")
+            joined[controller] = path
         except OSError as exc:
-            errors["cgroup"] = str(exc)
+            errors[f"cgroup {controller}"] = str(exc)
+    if joined:
+        applied["cgroup"] = sorted(set(joined.values()))
+    memory = cfg.get("memory_bytes")
+    if memory:
+        if "memory" in joined:
+            applied["memory"] = "cgroup"
+        else:
+            # No memory cgroup: RLIMIT_DATA (brk and private writable mappings). Not RLIMIT_AS:
+            # CUDA reserves far more address space than it uses and fails to initialise under
+            # it; under RLIMIT_DATA = 8 GiB CUDA starts, a 20 GiB GPU allocation works and a
+            # 12 GiB CPU tensor fails with a RuntimeError (measured on the H200 host).
+            resource.setrlimit(resource.RLIMIT_DATA, (memory, memory))
+            applied["memory"] = "rlimit"
     features: list[str] = cfg.get("unshare", [])
     if features:
         try:
@@ -752,30 +1280,25 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
             applied.update({f: True for f in features})
             if problems:
                 errors["namespaces"] = "; ".join(problems)
-    writable = cfg.get("writable")
-    if writable is not None:
-        applied["readonly_fs"] = False
-        if applied["pid"]:  # the mount namespace comes with it
-            try:
-                _readonly_fs(writable)
-                applied["readonly_fs"] = True
-            except OSError as exc:
-                errors["readonly_fs"] = str(exc)
-        else:
-            errors["readonly_fs"] = "no mount namespace of its own"
+    if not applied["pid"]:
+        # The job's own root (or the read-only host tree) is set up by init, in the mount
+        # namespace that comes with the pid namespace; without one the tree stays as it is.
+        applied.update(view="none", readonly_fs=False)
+        if cfg.get("view") is not None or cfg.get("writable") is not None:
+            errors["view"] = "no mount namespace of its own"
     nproc = cfg.get("nproc")
     if nproc and applied["user"]:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc + LAUNCHER_TASKS,) * 2)
         applied["nproc"] = nproc
     _write_meta(meta_fd, {"stage": "launcher", "applied": applied, "errors": errors})
     if applied["pid"]:
-        _run_with_init(argv, meta_fd, worker_fds)
+        _run_with_init(cfg, argv, meta_fd, worker_fds)
     _run_with_subreaper(argv, meta_fd, worker_fds)
 
 
 def _main() -> NoReturn:
     if sys.argv[1:2] == ["--probe"]:
-        _probe_main()
+        _probe_main(json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
     if len(sys.argv) < 3:
         os.write(2, b"usage: isolation.py CONFIG_JSON ARGV...\n")
         os._exit(2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -14,7 +14,11 @@ def code_cache(job_dir: Path, code: Path) -> Path:
     shared by every job running the same bytes, so the compile step's kernels are reused by
     validation and the benchmark, and private to those bytes, so no other file's code can
     plant binaries there. `job_dir` is a top-level job directory (LOOM_HOME/jobs/<run>)."""
-    digest = hashlib.sha256(code.read_bytes()).hexdigest()[:24]
+    from loom_mcp.sandbox.safefs import read_resolved_bytes
+
+    # `code` is an agent's file, resolved and checked by the caller: read without following a
+    # link swapped in since.
+    digest = hashlib.sha256(read_resolved_bytes(code)).hexdigest()[:24]
     return job_dir.resolve().parent.parent / "cache" / "triton" / digest
 
 
@@ -42,6 +46,17 @@ class JobSpec(BaseModel):
     )
     max_file_bytes: int = Field(default=8 << 30, gt=0, description="RLIMIT_FSIZE")
     max_processes: int = Field(default=512, ge=1, description="Tasks (processes and threads)")
+    max_memory_bytes: int | None = Field(
+        default=None, ge=0,
+        description="Memory of the whole job (cgroup memory.max, else RLIMIT_DATA). None: the "
+        "server's job_memory_bytes; 0: no limit",
+    )
+    max_disk_bytes: int | None = Field(
+        default=None, ge=0,
+        description="What job_dir and `writable` may grow by while the job runs (checked about "
+        "once a second; the job is killed past it); also the size of its private /tmp and "
+        "/dev/shm. None: the server's job_disk_bytes; 0: no quota",
+    )
     visible_devices: list[int] | None = Field(
         default=None,
         description=(
@@ -51,13 +66,24 @@ class JobSpec(BaseModel):
     allow_network: bool = False
     readonly_fs: bool = Field(
         default=True,
-        description="Everything but job_dir, `writable` and /dev/shm read-only for the job "
-        "(where the kernel allows it). Off only for commands the agent runs on its own behalf",
+        description="The job sees only its allowlisted root (system, interpreter, `readable`, "
+        "job_dir, `writable`) where the kernel allows it, else the host's tree read-only but for "
+        "job_dir, `writable` and /dev/shm. Off: the host's tree, writable (tests only)",
+    )
+    readable: list[Path] = Field(
+        default_factory=list,
+        description="Files and directories the job may read, bound read-only at the same path: "
+        "the task's and the candidate's directories (a candidate imports its siblings)",
     )
     writable: list[Path] = Field(
         default_factory=list,
         description="Directories the job may write besides job_dir (created if missing), e.g. "
         "the compile cache of the one file it runs",
+    )
+    shm_dir: Path | None = Field(
+        default=None,
+        description="A host directory to bind at /dev/shm instead of a private tmpfs, so the "
+        "processes of one benchmark share POSIX shared memory and CUDA IPC files",
     )
     request: dict[str, Any] | None = Field(
         default=None, description="JSON for the worker: job_dir/request.json, path in LOOM_REQUEST"
@@ -107,10 +133,40 @@ class JobResult(BaseModel):
     readonly_fs: bool = Field(
         default=False, description="The file system outside the job's writable paths was read-only"
     )
+    view: Literal["allowlist", "readonly", "none"] = Field(
+        default="none",
+        description="What the job saw of the file system: 'allowlist' (a root of its own holding "
+        "only what it needs), 'readonly' (the host's tree, read-only; the fallback), 'none'",
+    )
+    memory_limit: Literal["cgroup", "rlimit"] | None = Field(
+        default=None, description="How the job's memory was limited (cgroup memory.max or RLIMIT_DATA)"
+    )
+    memory_limit_bytes: int | None = None
+    memory_exceeded: bool = Field(
+        default=False,
+        description="The job failed on its memory limit (an OOM kill in its cgroup, or an "
+        "allocation refused under RLIMIT_DATA)",
+    )
+    disk_limit_bytes: int | None = None
+    disk_exceeded: bool = Field(
+        default=False, description="Killed because its directories grew past its disk quota"
+    )
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.cancelled
+        return (self.returncode == 0 and not self.timed_out and not self.cancelled
+                and not self.disk_exceeded)
+
+    @property
+    def limit_exceeded(self) -> str | None:
+        """Which resource limit ended the job, in words, or None."""
+        if self.memory_exceeded:
+            size = f" of {_gib(self.memory_limit_bytes)}" if self.memory_limit_bytes else ""
+            return f"exceeded its memory limit{size} (job_memory_bytes in loom.toml)"
+        if self.disk_exceeded:
+            size = f" of {_gib(self.disk_limit_bytes)}" if self.disk_limit_bytes else ""
+            return f"wrote more than its disk quota{size} (job_disk_bytes in loom.toml)"
+        return None
 
     def timeline(self, since: float) -> str:
         """The worker's marks (epoch seconds sent with its result) as seconds since `since`."""
@@ -124,9 +180,15 @@ class JobResult(BaseModel):
 
     def failure(self) -> str:
         """Why the job did not succeed, in one line: timeout, signal, or exit code and stderr tail."""
+        if self.limit_exceeded:
+            return self.limit_exceeded
         if self.timed_out:
             return f"timed out after {self.wall_s:.0f} s"
         if self.signal:
             return f"died with {self.signal}"
         tail = " | ".join(self.stderr_tail.strip().splitlines()[-6:])
         return f"exited with {self.returncode}: {tail}"
+
+
+def _gib(n: int | None) -> str:
+    return f"{(n or 0) / 2**30:.3g} GiB"

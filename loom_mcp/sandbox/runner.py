@@ -23,8 +23,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.sandbox import isolation
+from loom_mcp.errors import ErrorCode, LoomError, storage_error
+from loom_mcp.sandbox import isolation, policy, safefs, view
 from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache_env
 
@@ -106,17 +106,21 @@ def _device_env(devices: list[int]) -> dict[str, str]:
     }
 
 
-def _prepare(spec: JobSpec, plan: dict[str, Any]) -> tuple[Path, Path, str | None]:
-    """Blocking setup: job dir, request file (if the spec has a request yet), pids cgroup."""
+def _prepare(spec: JobSpec, plan: dict[str, Any], memory_bytes: int
+             ) -> tuple[Path, Path, dict[str, str]]:
+    """Blocking setup: job dir (and the job's private HOME in it), request file (if the spec has
+    a request yet), job cgroups (pids and memory, where the plan uses them)."""
     job_dir = spec.job_dir.expanduser().resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "home").mkdir(exist_ok=True)
     request_path = job_dir / "request.json"
     if spec.request is not None:
-        request_path.write_text(json.dumps(spec.request))
-    cgroup = None
-    if plan["limit_by"] == "cgroup":
-        cgroup = isolation.create_job_cgroup(spec.max_processes + isolation.LAUNCHER_TASKS)
-    return job_dir, request_path, cgroup
+        # A reused job directory is the job's: replace the name, never write through a link.
+        safefs.write_text(job_dir, request_path.name, json.dumps(spec.request))
+    max_tasks = spec.max_processes + isolation.LAUNCHER_TASKS if plan["limit_by"] == "cgroup" else None
+    memory = memory_bytes if plan.get("memory") == "cgroup" else None
+    cgroups = isolation.create_job_cgroups(max_tasks, memory) if max_tasks or memory else {}
+    return job_dir, request_path, cgroups
 
 
 async def _pump_fd(fd: int, sink: _Tail | _Collect) -> None:
@@ -151,7 +155,11 @@ def _parse_meta(raw: bytes) -> dict[str, Any]:
         if isinstance(record, dict):
             applied.update(record.get("applied") or {})
             for key, value in (record.get("errors") or {}).items():
-                log.debug("sandbox: %s not applied: %s", key, value)
+                # The root view failing where the probe built one is worth a line in the log:
+                # the job ran with the read-only host tree instead.
+                level = logging.WARNING if key == "view" and record.get("stage") == "init" and \
+                    (record.get("applied") or {}).get("view") != "allowlist" else logging.DEBUG
+                log.log(level, "sandbox: %s not applied: %s", key, value)
     return applied
 
 
@@ -184,10 +192,17 @@ class Launched:
     spec: JobSpec
     process: subprocess.Popen
     job_dir: Path
-    cgroup: str | None
+    cgroups: dict[str, str]  # controller -> the job's cgroup directory
     result_r: int
     meta_r: int
     request_path: Path
+    memory_bytes: int = 0  # the job's memory limit (0: none)
+    disk_bytes: int = 0  # what `watched` may grow by (0: no quota)
+    watched: tuple[Path, ...] = ()  # the job's writable directories
+
+    @property
+    def cgroup(self) -> str | None:
+        return next(iter(self.cgroups.values()), None)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -195,14 +210,21 @@ class Launched:
     def discard(self) -> None:
         """End an unsupervised launcher (a warm worker nobody will use) and release its fds."""
         if self.process.poll() is None:
-            isolation.kill_tree(self.process.pid, self.cgroup)
+            isolation.kill_tree(self.process.pid, list(self.cgroups.values()))
         try:
             self.process.wait(_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             pass
         self._close()
-        if self.cgroup is not None:
-            isolation.remove_job_cgroup(self.cgroup)
+        self._remove_cgroups()
+
+    def _remove_cgroups(self) -> None:
+        for path in set(self.cgroups.values()):
+            isolation.remove_job_cgroup(path)
+
+    def oom_kills(self) -> int:
+        path = self.cgroups.get("memory")
+        return isolation.cgroup_oom_kills(path) if path else 0
 
     def _close(self) -> None:
         for fd in (self.result_r, self.meta_r):
@@ -231,19 +253,40 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
     """
     caps = isolation.capabilities()
     plan = isolation.plan(caps, allow_network=spec.allow_network)
-    job_dir, request_path, cgroup = _prepare(spec, plan)
+    limits = policy.current()
+    memory = limits.memory_bytes if spec.max_memory_bytes is None else spec.max_memory_bytes
+    disk = limits.disk_bytes if spec.max_disk_bytes is None else spec.max_disk_bytes
+    try:
+        job_dir, request_path, cgroups = _prepare(spec, plan, memory)
+    except OSError as exc:
+        # A full (or read-only) LOOM_HOME is a coded error the agent can act on, not a crash.
+        coded = storage_error(exc, limits.loom_home)
+        if coded is not None:
+            raise coded from exc
+        raise
 
     env = worker_env(spec.env)
-    env.update({"TMPDIR": str(job_dir), "TMP": str(job_dir), "TEMP": str(job_dir)})
+    # The job's own directory, unless the caller names another it may write (torch's shared
+    # memory manager puts its socket there, which the other processes of a benchmark connect to).
+    tmp = spec.env.get("TMPDIR") or str(job_dir)
+    env.update({"TMPDIR": tmp, "TMP": tmp, "TEMP": tmp})
     env["LOOM_JOB_DIR"] = str(job_dir)
+    # Never the server's HOME (its credentials, caches and dotfiles): the job's own directory.
+    env["HOME"] = str(job_dir / "home")
+    if "XDG_CACHE_HOME" not in spec.env:
+        env["XDG_CACHE_HOME"] = str(job_dir / "home" / ".cache")
     if spec.request is not None or stdin_pipe:  # a warm worker's request is written at dispatch
         env["LOOM_REQUEST"] = str(request_path)
     if spec.visible_devices is not None:
         env.update(_device_env(spec.visible_devices))
 
     writable = None
+    root_view = None
+    extra = [Path(p).resolve() for p in spec.writable]
     if spec.readonly_fs:
-        writable = [str(job_dir), *(str(Path(p).resolve()) for p in spec.writable)]
+        for path in extra:
+            path.mkdir(parents=True, exist_ok=True)
+        writable = [str(job_dir), *map(str, extra)]
         if os.path.isdir("/dev/shm"):
             writable.append("/dev/shm")
         # Triton and load_inline write their build caches; the shared ones under HOME are
@@ -252,6 +295,15 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         if "TRITON_CACHE_DIR" not in spec.env:
             (job_dir / "triton-cache").mkdir(exist_ok=True)
             env.update(code_cache_env(job_dir / "triton-cache"))
+        if plan.get("view"):
+            try:
+                ops = view.job_view(job_dir=job_dir, readable=spec.readable, writable=extra,
+                                    shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
+            except BaseException:
+                for path in set(cgroups.values()):
+                    isolation.remove_job_cgroup(path)
+                raise
+            root_view = {"ops": ops, "cwd": str(job_dir)}
 
     result_r, result_w = os.pipe()
     meta_r, meta_w = os.pipe()
@@ -261,10 +313,12 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         "unshare": plan["unshare"],
         "nproc": spec.max_processes if plan["limit_by"] == "nproc" else None,
         "fsize": spec.max_file_bytes,
-        "cgroup": cgroup,
+        "cgroups": cgroups,
+        "memory_bytes": memory or None,
         "meta_fd": meta_w,
         "worker_fds": [result_w],
         "writable": writable,
+        "view": root_view,
     }
     argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, json.dumps(config), *spec.argv]
     try:
@@ -281,8 +335,8 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
     except OSError as exc:
         for fd in (result_r, meta_r):
             os.close(fd)
-        if cgroup is not None:
-            isolation.remove_job_cgroup(cgroup)
+        for path in set(cgroups.values()):
+            isolation.remove_job_cgroup(path)
         raise LoomError(ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}") from exc
     finally:
         # Only the child keeps the write ends: EOF then means "every writer is gone".
@@ -290,8 +344,9 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         os.close(meta_w)
     for fd in (result_r, meta_r, process.stdout.fileno(), process.stderr.fileno()):
         os.set_blocking(fd, False)
-    return Launched(spec=spec, process=process, job_dir=job_dir, cgroup=cgroup, result_r=result_r,
-                    meta_r=meta_r, request_path=request_path)
+    return Launched(spec=spec, process=process, job_dir=job_dir, cgroups=cgroups, result_r=result_r,
+                    meta_r=meta_r, request_path=request_path, memory_bytes=memory,
+                    disk_bytes=disk, watched=(job_dir, *extra))
 
 
 async def _wait_exit(process: subprocess.Popen) -> None:
@@ -313,9 +368,70 @@ async def _wait_exit(process: subprocess.Popen) -> None:
 async def _end_tree(launched: Launched) -> None:
     """SIGKILL the launcher's whole tree and reap the launcher."""
     if launched.process.poll() is None:
-        await anyio.to_thread.run_sync(isolation.kill_tree, launched.process.pid, launched.cgroup)
+        await anyio.to_thread.run_sync(isolation.kill_tree, launched.process.pid,
+                                       list(launched.cgroups.values()))
     with anyio.move_on_after(_KILL_WAIT_S):
         await _wait_exit(launched.process)
+
+
+def disk_usage(paths: tuple[Path, ...], stop_above: int | None = None) -> int:
+    """Bytes allocated to the files under `paths` (nested paths counted once, symlinks not
+    followed, hard links once). Stops counting once past `stop_above`. Blocking."""
+    roots = sorted({str(p) for p in paths})
+    roots = [r for r in roots if not any(r != o and r.startswith(o.rstrip("/") + "/") for o in roots)]
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    todo = list(roots)
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+                except OSError:
+                    continue
+                if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+        if stop_above is not None and total > stop_above:
+            break
+    return total
+
+
+_DISK_EVERY_S = 1.0
+
+
+async def _watch_disk(launched: Launched, exceeded: anyio.Event) -> None:
+    """Kill the job once its directories grew by more than its quota.
+
+    About once a second, and never more than 5 % of the time spent scanning (a working tree
+    with many files, in the agent's commands). RLIMIT_FSIZE bounds a single file; this bounds
+    the total, so that a job cannot fill LOOM_HOME's disk, which every tool needs.
+    """
+    limit = launched.disk_bytes
+    base = await anyio.to_thread.run_sync(disk_usage, launched.watched)
+    while True:
+        began = time.monotonic()
+        used = await anyio.to_thread.run_sync(disk_usage, launched.watched, base + limit)
+        if used - base > limit:
+            exceeded.set()
+            await _end_tree(launched)
+            return
+        await anyio.sleep(max(_DISK_EVERY_S, 20 * (time.monotonic() - began)))
+
+
+# What an allocation refused under RLIMIT_DATA looks like from Python, torch and C++. Not "out
+# of memory" alone: that is also how a full GPU reports, which is no limit of ours.
+_ALLOC_REFUSED = re.compile(
+    r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory|can't allocate memory|"
+    r"DefaultCPUAllocator|\bENOMEM\b")
 
 
 async def supervise(launched: Launched, on_progress: ProgressCallback | None = None) -> JobResult:
@@ -326,6 +442,8 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
     out, err = _Tail(spec.max_output_bytes), _Tail(spec.max_output_bytes)
     result_sink, meta_sink = _Collect(MAX_RESULT_BYTES), _Collect(1 << 16)
     timed_out = False
+    disk_exceeded = anyio.Event()
+    oom_kills = 0
     start = time.monotonic()
     try:
         async with anyio.create_task_group() as tg:
@@ -347,6 +465,8 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
             tg.start_soon(pump, launched.meta_r, meta_sink)
             if on_progress is not None:
                 tg.start_soon(_progress, on_progress, start)
+            if launched.disk_bytes and launched.watched:
+                tg.start_soon(_watch_disk, launched, disk_exceeded)
 
             with anyio.move_on_after(spec.timeout_s) as deadline:
                 await _wait_exit(process)
@@ -363,9 +483,10 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
         raise
     finally:
         launched._close()
-        if launched.cgroup is not None:
+        if launched.cgroups:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(isolation.remove_job_cgroup, launched.cgroup)
+                oom_kills = await anyio.to_thread.run_sync(launched.oom_kills)
+                await anyio.to_thread.run_sync(launched._remove_cgroups)
     wall_s = time.monotonic() - start
 
     rc = process.returncode
@@ -378,6 +499,10 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
     else:
         result, result_error = _parse_result(result_sink)
     marks = result.pop("marks", None) if isinstance(result, dict) else None
+    memory_by = applied.get("memory")
+    failed = rc != 0 or timed_out
+    memory_exceeded = oom_kills > 0 or (
+        memory_by == "rlimit" and failed and bool(_ALLOC_REFUSED.search(err.text()[-8192:])))
     return JobResult(
         returncode=returncode,
         signal=sig,
@@ -393,7 +518,22 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
         marks=marks if isinstance(marks, dict) else None,
         network_isolated=bool(applied.get("net")),
         readonly_fs=bool(applied.get("readonly_fs")),
+        view=applied.get("view") or "none",
+        memory_limit=memory_by if memory_by in ("cgroup", "rlimit") else None,
+        memory_limit_bytes=launched.memory_bytes or None,
+        memory_exceeded=memory_exceeded,
+        disk_limit_bytes=launched.disk_bytes or None,
+        disk_exceeded=disk_exceeded.is_set(),
     )
+
+
+def limit_error(job: JobResult, what: str) -> LoomError | None:
+    """[RESOURCE_LIMIT] when `job` (named `what`: "the compile worker") ended on one of its
+    resource limits; None otherwise. For callers whose job failing is a tool error; where the
+    job is a candidate under judgement its failure is a finding (JobResult.failure says why)."""
+    if job.limit_exceeded is None:
+        return None
+    return LoomError(ErrorCode.RESOURCE_LIMIT, f"{what} {job.limit_exceeded}")
 
 
 async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) -> JobResult:

@@ -15,6 +15,7 @@ or discarded it) or after LOOM_WARM_IDLE_S seconds unused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -26,7 +27,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from loom_mcp.sandbox import isolation
+from loom_mcp.sandbox import isolation, policy, safefs
 from loom_mcp.sandbox.job import JobResult, JobSpec
 from loom_mcp.sandbox.runner import Launched, ProgressCallback, spawn, supervise
 
@@ -48,11 +49,31 @@ def _key(template: JobSpec, pool_dir: Path) -> str:
     return json.dumps({**fields, "pool": str(pool_dir)}, sort_keys=True)
 
 
+def trusted_readable(pool_dir: Path) -> list[Path]:
+    """What a trusted warm worker may read. It is started before its task is known, so its root
+    cannot be cut to one task's directory: it gets the allowed roots (where every task lives),
+    the server's worktrees (frozen tasks of submissions) and the job directories (the run it
+    is given writes its signals and the candidate's outputs there), all read-only. LOOM_HOME
+    itself stays masked (ledger, loom.toml), as do credentials under a home directory that is
+    an allowed root (view.HOME_SECRETS). Candidates never run in warm workers."""
+    limits = policy.current()
+    paths = [*limits.trusted_roots, pool_dir.parent]
+    if limits.loom_home is not None:
+        worktrees = limits.loom_home / "worktrees"
+        # A bind shows what is created in the directory later, but only if it existed first:
+        # the worker may outlive the start of the first submission.
+        with contextlib.suppress(OSError):
+            worktrees.mkdir(parents=True, exist_ok=True)
+        paths.append(worktrees)
+    return [p for p in paths if p.exists()]
+
+
 def _fresh(template: JobSpec, pool_dir: Path) -> Launched:
     spec = template.model_copy(update={
         "job_dir": pool_dir / f"w{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}",
         "request": None,
         "env": {**template.env, "LOOM_WARM_IDLE_S": str(int(IDLE_S))},
+        "readable": [*template.readable, *trusted_readable(pool_dir)],
     })
     return spawn(spec, stdin_pipe=True)
 
@@ -116,7 +137,8 @@ async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dic
                    timeout_s: float, on_progress: ProgressCallback | None = None) -> JobResult:
     """Give a taken worker its job (request written to its directory, secrets over stdin) and
     supervise it to the end; the timeout counts from now."""
-    worker.request_path.write_text(json.dumps(request))
+    # The worker has been running in this directory: replace the name, never write through it.
+    safefs.write_text(worker.job_dir, worker.request_path.name, json.dumps(request))
     worker.spec = worker.spec.model_copy(update={"timeout_s": timeout_s, "request": request})
     line = (json.dumps({"env": secret_env}) + "\n").encode()
     try:
