@@ -1,6 +1,9 @@
 """Command line: `loom-mcp [--stdio | --http] [--home DIR]`, `loom-mcp doctor`, `loom-mcp --version`.
 
-In stdio mode stdout is the MCP wire: nothing here prints to it; logs go to stderr.
+In stdio mode stdout is the MCP wire: nothing here prints to it; logs go to stderr. A server
+that cannot start says why on stderr as one coded line ("loom-mcp: [CODE] ...", no traceback)
+and exits 2 for a configuration problem (loom.toml, flags, the HTTP token) or 3 for a LOOM_HOME
+that cannot be used (a damaged ledger, a read-only or full filesystem).
 """
 
 from __future__ import annotations
@@ -18,6 +21,30 @@ from loom_mcp.install import add_install_parser, run_install
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 TOKEN_ENV = "LOOM_HTTP_TOKEN"
+TOKEN_MIN_LENGTH = 16
+TOKEN_MIN_DISTINCT = 8
+# RFC 6750 b64token: what a client can put after "Bearer " unchanged (no spaces, no quotes).
+_B64TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/")
+TOKEN_RULE = (f"at least {TOKEN_MIN_LENGTH} characters, at least {TOKEN_MIN_DISTINCT} of them "
+              "different, only letters, digits and - . _ ~ + / (then optional trailing =), no "
+              "whitespace; make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+
+EXIT_CONFIG = 2  # loom.toml, flags, the HTTP token: the human's settings
+EXIT_STATE = 3  # LOOM_HOME cannot be used: damaged ledger, read-only or full filesystem
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` is not an acceptable bearer token, or None when it is."""
+    if any(c.isspace() for c in token):
+        return "it contains whitespace"
+    body = token.rstrip("=")
+    if not body or any(c not in _B64TOKEN_CHARS for c in body):
+        return "it has characters other than letters, digits and - . _ ~ + / (and trailing =)"
+    if len(token) < TOKEN_MIN_LENGTH:
+        return f"it has {len(token)} characters"
+    if len(set(token)) < TOKEN_MIN_DISTINCT:
+        return f"it has only {len(set(token))} different characters"
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -67,7 +94,32 @@ def configure_logging(level: str) -> None:
     root.setLevel(level)
 
 
+def refuse(exc: Exception, status: int) -> int:
+    """A startup refusal: one coded line on stderr (stdout is the MCP wire), no traceback."""
+    sys.stderr.write(f"loom-mcp: {exc}\n")
+    sys.stderr.flush()
+    return status
+
+
+def exit_status_for(exc: Exception) -> int:
+    from loom_mcp.errors import ErrorCode, LoomError
+
+    if isinstance(exc, LoomError) and exc.code in (ErrorCode.CONFIG_INVALID, ErrorCode.BAD_INPUT,
+                                                   ErrorCode.NOT_ALLOWED):
+        return EXIT_CONFIG
+    return EXIT_STATE
+
+
 def main(argv: list[str] | None = None) -> int:
+    from loom_mcp.errors import LoomError
+
+    try:
+        return _main(argv)
+    except LoomError as exc:
+        return refuse(exc, exit_status_for(exc))
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     if args.home:
@@ -87,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.workdir)
 
     from loom_mcp.config import load_config
-    from loom_mcp.errors import LoomError
 
-    try:
-        config = load_config(args.home)
-    except LoomError as exc:
-        logging.getLogger("loom_mcp").error("%s", exc)
-        return 2
+    config = load_config(args.home)  # a LoomError ([CONFIG_INVALID]) is refused by main()
 
     if args.command == "check":
         from loom_mcp.check import run_check
@@ -106,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from loom_mcp.server import build_server
 
-    build_server(config).run("stdio")
+    server = build_server(config)  # a ledger or LOOM_HOME it cannot use: refused by main()
+    server.run("stdio")
     return 0
 
 
@@ -117,10 +165,16 @@ def serve_http(config, host: str, port: int, allow_remote: bool) -> int:
         if not allow_remote:
             log.error("refusing to bind %s: not a loopback address; pass --allow-remote and set $%s",
                       host, TOKEN_ENV)
-            return 2
-        if not token or len(token) < 16:
-            log.error("--allow-remote needs a bearer token of at least 16 characters in $%s", TOKEN_ENV)
-            return 2
+            return EXIT_CONFIG
+        if not token:
+            log.error("--allow-remote needs a bearer token in $%s: %s", TOKEN_ENV, TOKEN_RULE)
+            return EXIT_CONFIG
+    if token:  # a weak token is refused on loopback too: it is what guards the server then
+        problem = token_problem(token)
+        if problem:
+            log.error("$%s is not an acceptable bearer token (%s); it must have %s",
+                      TOKEN_ENV, problem, TOKEN_RULE)
+            return EXIT_CONFIG
 
     import uvicorn
     from mcp.server.transport_security import TransportSecuritySettings

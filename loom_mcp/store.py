@@ -3,12 +3,21 @@
 Every tool call is written when it starts and again when it ends, each in its own
 transaction, so a `kill -9` at any moment leaves every answered call intact and the
 unfinished one marked `running` until the next open turns it into `interrupted`.
+
+Only a missing ledger is created (built aside, then linked into place, so no half-made file
+is ever seen). An existing file is checked before anything is written to it: SQLite header,
+`PRAGMA quick_check`, and the tables its schema version promises. A file that fails (0 bytes,
+truncated, garbage, another program's database) is refused with [LEDGER_CORRUPT] and a
+recovery hint; it is never replaced or "repaired" by starting afresh.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import os
+import shlex
 import sqlite3
 import tempfile
 import threading
@@ -101,6 +110,161 @@ MIGRATIONS: tuple[str, ...] = (
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _statements(script: str) -> list[str]:
+    return [statement for statement in script.split(";") if statement.strip()]
+
+
+@functools.cache
+def expected_tables(version: int) -> dict[str, frozenset[str]]:
+    """Table -> column names that a ledger at schema `version` has (built from MIGRATIONS)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        for script in MIGRATIONS[:version]:
+            for statement in _statements(script):
+                db.execute(statement)
+        return _tables(db)
+    finally:
+        db.close()
+
+
+def _tables(db: sqlite3.Connection) -> dict[str, frozenset[str]]:
+    names = [r[0] for r in db.execute(
+        "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")]
+    return {name: frozenset(r[1] for r in db.execute(f'PRAGMA table_info("{name}")')) for name in names}
+
+
+def _sqlite_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else int(code) & 0xFF
+
+
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def ledger_recovery_hint(path: Path, empty: bool = False) -> str:
+    p = shlex.quote(str(path))
+    aside = f"mv {p} {shlex.quote(str(path) + '.broken')}"
+    side = f" (and {p}-wal / {p}-shm if present)"
+    if empty:
+        return (f"It holds no records: move it aside ({aside}{side}) or delete it; a server that "
+                "finds no ledger creates a new one.")
+    return (f"loom-mcp will not start on it and never replaces an existing ledger. To save what it "
+            f"holds: sqlite3 {p} .recover | sqlite3 {shlex.quote(str(path) + '.recovered')} and, if "
+            f"that works, move the .recovered file into its place; to start with an empty ledger, "
+            f"move it aside: {aside}{side}; a server that finds no ledger creates a new one.")
+
+
+def _corrupt(path: Path, reason: str, empty: bool = False) -> LoomError:
+    return LoomError(ErrorCode.LEDGER_CORRUPT,
+                     f"ledger {path} {reason}. {ledger_recovery_hint(path, empty)}")
+
+
+def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
+    """Refuse (LEDGER_CORRUPT) an existing ledger that is not a sound loom ledger; return its
+    schema version. Reads only: nothing is written to the file."""
+    size = path.stat().st_size
+    if size == 0:
+        raise _corrupt(path, "is empty (0 bytes: a copy cut short, or a first start killed before "
+                             "it wrote anything)", empty=True)
+    with open(path, "rb") as fh:
+        header = fh.read(len(SQLITE_HEADER))
+    if header != SQLITE_HEADER:
+        raise _corrupt(path, f"is not an SQLite database (its {size} bytes do not start with the "
+                             "SQLite header)")
+    own = db is None
+    if own:
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
+    try:
+        try:
+            problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
+            version = int(db.execute("PRAGMA user_version").fetchone()[0])
+            tables = _tables(db)
+        except sqlite3.DatabaseError as exc:
+            if _sqlite_code(exc) in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in str(exc) \
+                    or "not a database" in str(exc):
+                raise _corrupt(path, f"is damaged (SQLite: {exc}; truncated or overwritten?)") from exc
+            raise
+    finally:
+        if own:
+            db.close()
+    if problems != ["ok"]:
+        shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise _corrupt(path, f"fails SQLite's integrity check ({shown})")
+    if version > SCHEMA_VERSION:
+        raise LoomError(
+            ErrorCode.INTERNAL,
+            f"ledger {path} has schema v{version}, newer than this loom-mcp (v{SCHEMA_VERSION}); "
+            "upgrade loom-mcp",
+        )
+    if version == 0:
+        if tables:  # someone else's database, or a ledger whose version stamp was wiped
+            raise _corrupt(path, f"is an SQLite database without a loom schema version, holding "
+                                 f"tables {', '.join(sorted(tables))}: not a loom ledger")
+        return 0  # a ledger whose first migration never committed: nothing in it yet
+    wrong = []
+    for table, columns in expected_tables(version).items():
+        if table not in tables:
+            wrong.append(f"table {table} is missing")
+        elif columns - tables[table]:
+            wrong.append(f"table {table} lacks {', '.join(sorted(columns - tables[table]))}")
+    if wrong:
+        raise _corrupt(path, f"does not have the schema its version (v{version}) promises: "
+                             f"{'; '.join(wrong)}")
+    return version
+
+
+def _create_ledger(path: Path) -> None:
+    """Build an empty, fully migrated ledger beside `path` and link it into place. Never replaces
+    a file: if another process created the ledger first, theirs is kept."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=".ledger-new-", suffix=".sqlite3")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("BEGIN IMMEDIATE")
+            for number, script in enumerate(MIGRATIONS, start=1):
+                for statement in _statements(script):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version={number}")
+            db.execute("COMMIT")
+        finally:
+            db.close()  # the last connection checkpoints the WAL into the file and removes it
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                raise
+            if path.exists():  # no hard links here: a rename can replace, so look first
+                return
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal")):
+            leftover.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
 
 def args_hash(arguments: dict[str, Any]) -> str:
     return hashlib.sha256(orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
@@ -138,7 +302,17 @@ class Ledger:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        if not os.path.lexists(path):
+            _create_ledger(path)
+        # mode=rw: never create here; a ledger that vanished between the look and the open is an
+        # error, not an invitation to start an empty one.
+        self._db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=30,
+                                   isolation_level=None, check_same_thread=False)
+        try:
+            check_ledger(path, self._db)
+        except BaseException:
+            self._db.close()
+            raise
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a committed call survives power loss, not only a process kill.
@@ -160,14 +334,22 @@ class Ledger:
                         f"(v{SCHEMA_VERSION}); upgrade loom-mcp",
                     )
                 for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                    for statement in script.split(";"):
-                        if statement.strip():
-                            self._db.execute(statement)
+                    for statement in _statements(script):
+                        self._db.execute(statement)
                     self._db.execute(f"PRAGMA user_version={number}")
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
+
+    def _rollback(self) -> None:
+        """Roll back if a transaction is still open. SQLite may already have rolled back itself
+        (a COMMIT that hit a full disk); a second error must not hide the first."""
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
 
     def schema_version(self) -> int:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
@@ -192,7 +374,7 @@ class Ledger:
                 yield self._db
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def close(self) -> None:

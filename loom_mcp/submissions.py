@@ -9,6 +9,7 @@ branch stays linear; a submission row is written before any work, so a crash lea
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -21,10 +22,12 @@ from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import CompileEvidence, Diagnostic, Verdict
 from loom_mcp.models import Budgets, SubmitResult
+from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DeviceLease
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 
 Progress = Callable[[str], Awaitable[None]]
+log = logging.getLogger("loom_mcp")
 
 
 def budget_usage(ledger: Ledger, campaign: dict) -> dict[str, float]:
@@ -36,26 +39,62 @@ def budget_usage(ledger: Ledger, campaign: dict) -> dict[str, float]:
     }
 
 
-def budget_left(ledger: Ledger, campaign: dict) -> dict[str, float]:
-    budgets = Budgets.model_validate(orjson.loads(campaign["budgets_json"]))
+BUDGET_KEYS = ("gpu_seconds", "candidates", "wall_seconds")
+
+
+def campaign_budgets(campaign: dict, ceiling: Budgets | None) -> tuple[Budgets, list[str]]:
+    """The budgets in force for a campaign: what its ledger row records, never more than the
+    ceilings of the human's loom.toml this server started with. The ledger is a file an agent
+    might reach; the ceilings are re-applied at every check, and a row that claims more (or no
+    longer parses) is reported rather than obeyed."""
+    notes: list[str] = []
+    try:
+        recorded = Budgets.model_validate(orjson.loads(campaign["budgets_json"]))
+    except (ValueError, TypeError):
+        if ceiling is None:
+            raise
+        notes.append(f"campaign {campaign['id']}'s budgets in the ledger do not parse; the "
+                     "server's configured ceilings apply")
+        return ceiling, notes
+    if ceiling is None:
+        return recorded, notes
+    from loom_mcp.campaigns import cap_budgets
+
+    effective = cap_budgets(recorded, ceiling)
+    raised = [f"{k} {getattr(recorded, k):g} > {getattr(ceiling, k):g}" for k in BUDGET_KEYS
+              if getattr(recorded, k) > getattr(ceiling, k)]
+    if raised:
+        notes.append(f"the ledger records budgets above this server's ceilings for campaign "
+                     f"{campaign['id']} ({', '.join(raised)}): the ledger was edited, or loom.toml "
+                     "lowered them since; the configured ceilings apply")
+    return effective, notes
+
+
+def budget_left(ledger: Ledger, campaign: dict, ceiling: Budgets | None = None) -> dict[str, float]:
+    budgets, _ = campaign_budgets(campaign, ceiling)
     used = budget_usage(ledger, campaign)
-    return {k: round(getattr(budgets, k) - used[k], 3) for k in ("gpu_seconds", "candidates", "wall_seconds")}
+    return {k: round(getattr(budgets, k) - used[k], 3) for k in BUDGET_KEYS}
 
 
-def check_budgets(ledger: Ledger, campaign: dict) -> dict[str, float]:
-    left = budget_left(ledger, campaign)
+def check_budgets(ledger: Ledger, campaign: dict, ceiling: Budgets | None = None) -> dict[str, float]:
+    """BUDGET_EXHAUSTED once any budget is spent; `ceiling` (the server's config.budgets) caps
+    whatever the campaign's ledger row says."""
+    _, notes = campaign_budgets(campaign, ceiling)
+    for note in notes:
+        log.warning("%s", note)
+    left = budget_left(ledger, campaign, ceiling)
     spent = [k for k, v in left.items() if v <= 0]
     if spent:
         raise LoomError(ErrorCode.BUDGET_EXHAUSTED,
                         f"campaign {campaign['id']} has used its {', '.join(spent)} budget "
                         f"(left: {left}); campaign_report summarizes it, a human can raise budgets in loom.toml "
-                        "for a new campaign")
+                        "for a new campaign" + "".join(f" (note: {n})" for n in notes))
     return left
 
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
-    files = {f"loom_candidates/{candidate.name}": candidate.read_bytes().decode("utf-8")}
+    files = {f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
@@ -84,7 +123,7 @@ async def submit_candidate(
 
     # One submission per campaign at a time, across coroutines and server processes.
     async with DeviceLease(config.locks_dir, f"campaign:{campaign_id}", timeout_s=config.lease_timeout_s):
-        check_budgets(ledger, campaign)
+        check_budgets(ledger, campaign, config.budgets)
         cand_rel = _relative_in(repo, cand_path)
         if cand_rel is not None:
             wanted = sorted({cand_rel, *(paths or [])})
@@ -103,11 +142,13 @@ async def submit_candidate(
             raise LoomError(ErrorCode.BAD_INPUT,
                             f"the submission changes {', '.join(touched)}: the task and its baseline are "
                             "the yardstick, not part of the candidate; submit only the candidate's files")
-        task_sha = artifacts.put_file(task_path, kind="task")
+        task_sha = artifacts.put_bytes(safefs.read_resolved_bytes(task_path), kind="task",
+                                       name=task_path.name)
         frozen_bytes = change.content_bytes(cand_rel) if cand_rel in change.files else None
         # Unchanged since the base (only other paths changed): the file as it is now is the candidate.
-        cand_sha = artifacts.put_bytes(frozen_bytes if frozen_bytes is not None else cand_path.read_bytes(),
-                                       kind="candidate", name=cand_rel)
+        cand_sha = artifacts.put_bytes(
+            frozen_bytes if frozen_bytes is not None else safefs.read_resolved_bytes(cand_path),
+            kind="candidate", name=cand_rel)
         submission_id = new_run_id("submission")
         ledger.insert_submission({
             "id": submission_id, "campaign_id": campaign_id, "created_at": time.time(),
@@ -123,10 +164,12 @@ async def submit_candidate(
             frozen_cand = worktree / cand_rel
             frozen_task = worktree / task_rel if task_rel else worktree.parent / f"{submission_id}.task.py"
             if task_rel is None:
-                frozen_task.write_bytes(artifacts.get_bytes(task_sha))
+                safefs.write_bytes(worktree.parent, frozen_task.name, artifacts.get_bytes(task_sha))
 
             compile_evidence = CompileEvidence(ok=True, language="python")
-            source = frozen_cand.read_text()
+            # Beneath the worktree, following no link: the frozen candidate is a file of the change.
+            source = safefs.read_text(worktree, cand_rel, safefs.MAX_SOURCE_BYTES,
+                                      allow_hardlinks=True)
             if "@triton.jit" in source or "@triton.autotune" in source:
                 if progress:
                     await progress("compiling")
@@ -144,7 +187,8 @@ async def submit_candidate(
             baseline_file = None
             if previous is not None:
                 baseline_file = worktree.parent / f"{submission_id}.baseline.py"
-                baseline_file.write_bytes(artifacts.get_bytes(previous["candidate_sha"]))
+                safefs.write_bytes(worktree.parent, baseline_file.name,
+                                   artifacts.get_bytes(previous["candidate_sha"]))
             validation = benchmark = None
             validation_id = benchmark_id = None
             if compile_evidence.ok:
@@ -205,7 +249,7 @@ async def submit_candidate(
         speedup_ci_low=verdict.speedup_ci_low, speedup_ci_high=verdict.speedup_ci_high,
         validation_id=validation_id, benchmark_id=benchmark_id, commit=commit,
         branch=campaign["branch"], change_digest=change.digest,
-        budget_left=budget_left(ledger, campaign), next_step=next_step)
+        budget_left=budget_left(ledger, campaign, config.budgets), next_step=next_step)
     return result, device_seconds
 
 

@@ -28,7 +28,7 @@ def test_unknown_keys_and_bad_toml_are_errors(tmp_path):
     with pytest.raises(Exception, match="min_gian"):
         load_config(tmp_path, environ={})
     (tmp_path / "loom.toml").write_text("[gate\n")
-    with pytest.raises(LoomError, match=r"\[BAD_INPUT\]"):
+    with pytest.raises(LoomError, match=r"\[CONFIG_INVALID\]"):
         load_config(tmp_path, environ={})
 
 

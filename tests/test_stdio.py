@@ -157,7 +157,7 @@ def test_bearer_token_is_enforced(tmp_path):
     import urllib.request
 
     port = free_port()
-    token = "t" * 32
+    token = "loom-test-T0ken_" + "x9Qz" * 4  # a real token: >= 16 characters, >= 8 distinct
     env = {**os.environ, **server_env(tmp_path / "h", tmp_path), "LOOM_HTTP_TOKEN": token}
     proc = subprocess.Popen([LOOM, "--http", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

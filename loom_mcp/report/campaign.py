@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from loom_mcp import __version__
 from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.models import Budgets
 from loom_mcp.store import ArtifactStore, Ledger
 
 REPORT_SCHEMA = "loom.campaign_report/1"
@@ -104,7 +103,7 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     if campaign is None:
         raise LoomError(ErrorCode.NOT_FOUND, f"no campaign {campaign_id!r}")
     from loom_mcp import gitops
-    from loom_mcp.submissions import budget_usage
+    from loom_mcp.submissions import budget_usage, campaign_budgets
 
     repo = Path(campaign["repo"])
     rows = ledger.submissions(campaign_id)
@@ -123,7 +122,14 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
             t.errors += 1
             code = call.error_code or call.outcome
             t.by_code[code] = t.by_code.get(code, 0) + 1
-    budgets = Budgets.model_validate(orjson.loads(campaign["budgets_json"])).model_dump()
+    in_force, warnings = campaign_budgets(campaign, config.budgets)  # never above loom.toml's ceilings
+    budgets = in_force.model_dump()
+    drift = config.drift()
+    if drift:
+        warnings.append(drift)
+    if campaign["config_fingerprint"] != config.fingerprint():
+        warnings.append(f"the campaign was started under config fingerprint {campaign['config_fingerprint']}; "
+                        f"the server that wrote this report enforces {config.fingerprint()}")
     used = budget_usage(ledger, campaign)
     tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
     last_bench = next((_record(ledger, artifacts, a.benchmark_id) for a in reversed(attempts) if a.benchmark_id), None)
@@ -133,6 +139,7 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         "loom_mcp": __version__,
         "python": sys.version.split()[0],
         "config_fingerprint": campaign["config_fingerprint"],
+        "server_config_fingerprint": config.fingerprint(),
         "device": {k: v for k, v in ((last_bench or {}).get("device") or {}).items()
                    if k in ("vendor", "name", "arch", "driver_version", "runtime_version",
                             "memory_total_bytes", "uuid")} or None,
@@ -140,6 +147,8 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         "base_commit": campaign["base_commit"],
         "branch_tip": tip if tip != campaign["base_commit"] else None,
     }
+    if warnings:
+        fingerprint["warnings"] = warnings
     reproduce = []
     for a in accepted:
         reproduce.append(f"git -C {repo} worktree add /tmp/{a.submission_id} {a.commit}")
