@@ -5,7 +5,8 @@ from a secret nonce, writes the inputs for the candidate and signals it to start
 the reference outputs (native and float64) while the candidate runs: on a GPU as many as fit a
 budget, each in this process (the candidate still runs first in its own; the reference has not
 run anywhere when it starts). Once the server signals that the candidate's process has exited,
-it compares the candidate's saved outputs against them. The inputs it compares on are the ones it
+it compares the candidate's saved outputs against them: elementwise, with atol capped at the
+reference's scale, and normwise (see "closeness" below). The inputs it compares on are the ones it
 kept in memory, not the file the candidate could have read.
 
 `prepare_bench`: input sets per shape for timing, written for both benchmark arms.
@@ -160,12 +161,101 @@ def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device:
     return native, exact, note
 
 
+# ---------------------------------------------------------------- closeness
+#
+# Elementwise, |out - ref| <= atol + rtol |ref| (ref in float64) lets any output smaller than atol
+# through: softmax over 32k columns gives values ~3e-5, so all zeros, a constant or the answer
+# times 1e-3 passed at fp32's atol of 1e-4. Two rules scale the check to the reference:
+#
+# * atol is capped at the reference's own scale: atol_eff = min(atol, max(floor * rms(ref),
+#   REF_ERROR_FACTOR * max |native - ref|)), where `floor` is max(rtol, the dtype's default rtol)
+#   and `native` is the reference run in the task's dtype on this device. An element then gets an
+#   absolute slack of at most a relative tolerance of the output's RMS, or of a few times the
+#   absolute error the reference itself makes, never more than atol. A reference whose finite
+#   values are all zero keeps atol (nothing to scale by).
+# * the normwise relative error ||out - ref||_2 / ||ref||_2 (float64, finite elements) must be at
+#   most max(floor, REF_ERROR_FACTOR * the same error of `native`). Meeting rtol elementwise meets
+#   `floor` in norm, so only errors the absolute term let through can fail it; all zeros, any
+#   constant and a scaled copy are ~1 off. The reference's own error keeps it from rejecting the
+#   reference's own arithmetic (TF32, bf16 intermediates) and is reported beside the candidate's.
+#
+# The reference run in its dtype passes both rules whenever it passed the plain elementwise one,
+# so an honest copy of the reference cannot newly fail. A task's `check(out, ref)` replaces both;
+# the numbers are still reported.
+
+# Two bits: within 4x of the error the reference itself makes in the task's dtype. A downgrade of
+# an fp32 task from TF32 to bf16 (3 fewer mantissa bits, 8x) still fails it.
+REF_ERROR_FACTOR = 4.0
+# The default rtol per canonical dtype (judge_models.DEFAULT_TOLERANCES; a test keeps them equal):
+# the least relative precision asked of a float output, whatever a task's TOLERANCE says.
+RTOL_FLOOR = {"fp64": 1e-7, "fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-1}
+
+
+def _norm(values: torch.Tensor) -> float:
+    """2-norm in float64, scaled first so that squares of huge float64 values cannot overflow."""
+    if not values.numel():
+        return 0.0
+    top = float(values.abs().max())
+    if top == 0.0 or top == float("inf"):
+        return top
+    return float(torch.linalg.vector_norm(values / top)) * top
+
+
+def reference_stats(native: list, exact: list | None) -> list[dict[str, Any] | None]:
+    """Per output: the reference's scale (RMS and 2-norm of its finite float64 values) and the
+    error the reference makes in the task's dtype (normwise and largest elementwise, against the
+    float64 run; None when there is no float64 run). None for non-float outputs. Computed while
+    the candidate runs, with the reference outputs themselves."""
+    stats: list[dict[str, Any] | None] = []
+    for i, value in enumerate(native):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            stats.append(None)
+            continue
+        ref = exact[i] if exact is not None and i < len(exact) else None
+        target = (ref if ref is not None else value).to(torch.float64)
+        finite = torch.isfinite(target)
+        vals = target[finite]
+        norm = _norm(vals)
+        entry: dict[str, Any] = {"ref_norm": norm, "ref_rms": norm / max(vals.numel(), 1) ** 0.5,
+                                 "ref_norm_rel_err": None, "ref_max_abs_err": None}
+        if ref is not None and tuple(value.shape) == tuple(target.shape):
+            own = value.to(target.device, torch.float64)
+            both = finite & torch.isfinite(own)
+            err = (own - target)[both]
+            entry["ref_max_abs_err"] = float(err.abs().max()) if err.numel() else 0.0
+            entry["ref_norm_rel_err"] = _norm(err) / norm if norm > 0 else None
+        stats.append(entry)
+    return stats
+
+
+def scale_rules(dtype: str, tolerance: dict[str, float], stats: dict[str, Any] | None
+                ) -> tuple[float, float | None, str]:
+    """(atol to use, normwise bound or None, how both were derived) for one float output."""
+    atol, rtol = tolerance["atol"], tolerance["rtol"]
+    if not stats or not stats["ref_norm"] or stats["ref_norm"] == float("inf"):
+        return atol, None, "the reference has no nonzero finite value: plain atol"
+    floor = max(rtol, RTOL_FLOOR.get(dtype, 0.0))
+    own_abs = stats["ref_max_abs_err"] or 0.0
+    own_norm = stats["ref_norm_rel_err"] or 0.0
+    atol_eff = min(atol, max(floor * stats["ref_rms"], REF_ERROR_FACTOR * own_abs))
+    bound = max(floor, REF_ERROR_FACTOR * own_norm)
+    if stats["ref_norm_rel_err"] is None:
+        how = f"rtol {floor:g}; no float64 run to measure the reference's own error"
+    else:
+        how = (f"the larger of rtol {floor:g} and {REF_ERROR_FACTOR:g} x the reference's own "
+               f"{dtype} error {own_norm:.3g}")
+    return atol_eff, bound, f"({how}); reference RMS {stats['ref_rms']:.3g}"
+
+
 def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | None,
-                tolerance: dict[str, float]) -> dict[str, Any]:
-    result: dict[str, Any] = {"dtype": canonical_dtype(native.dtype), "shape_match": True,
+                tolerance: dict[str, float], stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    dtype = canonical_dtype(native.dtype)
+    result: dict[str, Any] = {"dtype": dtype, "shape_match": True,
                               "dtype_match": True, "nan_inf_parity": True, "max_abs_err": None,
                               "max_rel_err": None, "mismatched": None, "message": None,
-                              "atol": tolerance["atol"], "rtol": tolerance["rtol"], "passed": False}
+                              "atol": tolerance["atol"], "rtol": tolerance["rtol"], "passed": False,
+                              "atol_effective": None, "norm_rel_err": None, "norm_rel_bound": None,
+                              "ref_norm_rel_err": None, "ref_rms": None}
     if tuple(out.shape) != tuple(native.shape):
         result["shape_match"] = False
         result["message"] = f"output shape {tuple(out.shape)} != reference {tuple(native.shape)}"
@@ -174,6 +264,14 @@ def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | N
         result["dtype_match"] = False
         result["message"] = f"output dtype {out.dtype} != reference {native.dtype}"
         return result
+    scaled = native.is_floating_point()
+    if scaled and stats is None:
+        stats = reference_stats([native], [exact] if exact is not None else None)[0]
+    atol, bound, how = (scale_rules(dtype, tolerance, stats) if scaled
+                        else (tolerance["atol"], None, ""))
+    if scaled and stats:
+        result.update(atol_effective=atol, norm_rel_bound=bound, ref_rms=stats["ref_rms"],
+                      ref_norm_rel_err=stats["ref_norm_rel_err"])
     # On the reference's device: on a GPU the float64 error statistics of 30 cases of 16M elements
     # are milliseconds; on the host they were most of run_validation's wall time.
     target = (exact if exact is not None else native).to(torch.float64)
@@ -184,35 +282,54 @@ def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | N
               and torch.equal(target == -inf, got == -inf))
     result["nan_inf_parity"] = bool(parity)
     finite = torch.isfinite(target) & torch.isfinite(got)
-    diff = (got - target).abs()[finite]
+    signed = (got - target)[finite]
+    diff = signed.abs()
     scale = target.abs()[finite]
     if diff.numel():
         result["max_abs_err"] = float(diff.max())
         result["max_rel_err"] = float((diff / scale.clamp_min(1e-12)).max())
-        bad = diff > tolerance["atol"] + tolerance["rtol"] * scale
+        bad = diff > atol + tolerance["rtol"] * scale
         result["mismatched"] = int(bad.sum())
     else:
         result["max_abs_err"] = result["max_rel_err"] = 0.0
         result["mismatched"] = 0
+    if bound is not None and stats and parity:  # with NaN/Inf out of place it means nothing
+        result["norm_rel_err"] = _norm(signed) / stats["ref_norm"]
+    norm_bad = bound is not None and result["norm_rel_err"] is not None and \
+        not result["norm_rel_err"] <= bound
+    problems = []
+    if norm_bad:
+        problems.append(f"normwise relative error ||out - ref|| / ||ref|| = "
+                        f"{result['norm_rel_err']:.3g} exceeds its bound {bound:.3g} {how}")
+    if result["mismatched"]:
+        capped = (f" (capped from {tolerance['atol']:g} at the reference's scale)"
+                  if atol < tolerance["atol"] else "")
+        problems.append(f"{result['mismatched']} of {got.numel()} elements outside "
+                        f"atol={atol:.3g}{capped} rtol={tolerance['rtol']:g} "
+                        f"(max abs err {result['max_abs_err']:.3g})")
     if not result["nan_inf_parity"]:
-        result["message"] = (f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN, "
-                             f"candidate {int(got_nan.sum())}")
-    elif result["mismatched"]:
-        result["message"] = (f"{result['mismatched']} of {got.numel()} elements outside "
-                             f"atol={tolerance['atol']:g} rtol={tolerance['rtol']:g} "
-                             f"(max abs err {result['max_abs_err']:.3g})")
-    result["passed"] = result["nan_inf_parity"] and result["mismatched"] == 0
+        result["message"] = (f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN and "
+                             f"{int(torch.isinf(target).sum())} Inf, candidate {int(got_nan.sum())} "
+                             f"NaN and {int(torch.isinf(got).sum())} Inf")
+    elif problems:
+        result["message"] = "; ".join(problems)
+    result["passed"] = result["nan_inf_parity"] and result["mismatched"] == 0 and not norm_bad
     return result
 
 
 def degenerate(native: list[torch.Tensor]) -> bool:
-    """Outputs that a constant could match (METR dropped such tasks): worth a warning."""
+    """Outputs that a constant could match (METR dropped such tasks): worth a warning. Their mean
+    everywhere is within the dtype's relative tolerance of them in norm (spread <= floor x RMS),
+    so it passes the normwise rule; an all-zero output counts. Relative, not absolute: softmax
+    rows of 1e-5 values varying by 10 % are not constant."""
     for t in native:
         if t.is_floating_point() and t.numel() > 1:
             v = t.double()
             finite = v[torch.isfinite(v)]
-            if finite.numel() and float(finite.std()) < 1e-6 * max(1.0, float(finite.abs().mean())):
-                return True
+            if finite.numel() > 1:
+                floor = RTOL_FLOOR.get(canonical_dtype(t.dtype), 0.0)
+                if _norm(finite - finite.mean()) <= floor * _norm(finite):
+                    return True
     return False
 
 
@@ -254,18 +371,19 @@ def _reference_case(task, task_file: str, case: dict, inputs: list, init_inputs:
     out of device memory is not the reference's failure: the candidate holds memory too, so
     the caller stops computing ahead and does this case again afterwards."""
     entry: dict[str, Any] = {"outputs": [], "note": None, "degenerate": False, "error": None}
-    native = exact = None
+    native = exact = stats = None
     try:
         native, exact, note = reference_outputs(task, case, inputs, init_inputs, device)
         entry["note"] = note
         entry["degenerate"] = degenerate(native)
+        stats = reference_stats(native, exact)
     except torch.OutOfMemoryError:
         if ahead:
             raise
         entry["error"] = "reference failed: out of device memory"
     except Exception as exc:
         entry["error"] = "reference failed: " + user_traceback(exc, task_file)
-    return {"entry": entry, "native": native, "exact": exact}
+    return {"entry": entry, "native": native, "exact": exact, "stats": stats}
 
 
 def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], bool]:
@@ -327,7 +445,7 @@ def validate(request: dict) -> dict:
             ref, ahead[index] = ahead[index], {}  # freed after this comparison
         else:
             ref = _reference_case(task, request["task"], case, *kept[index], device)
-        entry, native, exact = ref["entry"], ref["native"], ref["exact"]
+        entry, native, exact, stats = ref["entry"], ref["native"], ref["exact"], ref["stats"]
         entry["inputs_reproducible"] = reproducible
         got = outputs[index] if index < len(outputs) else None
         if entry["error"] or got is None:
@@ -340,7 +458,8 @@ def validate(request: dict) -> dict:
         for i, (out, expected) in enumerate(zip(got, native)):
             expected = expected.to(device)
             tol = tolerances.get(canonical_dtype(expected.dtype), {"atol": 0.0, "rtol": 0.0})
-            one = compare_one(out, expected, exact[i].to(device) if exact else None, tol)
+            one = compare_one(out, expected, exact[i].to(device) if exact else None, tol,
+                              stats[i] if stats else None)
             if custom_check is not None and one["shape_match"] and one["dtype_match"]:
                 try:
                     ok = bool(custom_check(out.to(expected.device), expected))
@@ -348,7 +467,9 @@ def validate(request: dict) -> dict:
                     ok = False
                     one["message"] = "task check raised: " + user_traceback(exc, request["task"])
                 one["passed"] = ok
-                if not ok and not one["message"]:
+                if ok:  # the task's rule is the one that counts; its verdict needs no excuse
+                    one["message"] = None
+                elif not one["message"]:
                     one["message"] = "the task's check(out, ref) returned False"
             entry["outputs"].append(one)
         results.append(entry)
