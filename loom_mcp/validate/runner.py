@@ -27,8 +27,9 @@ import anyio
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobResult, JobSpec, code_cache, code_cache_env, run_job, warm
+from loom_mcp.sandbox import JobResult, JobSpec, code_cache, code_cache_env, run_job, safefs, warm
 from loom_mcp.validate.static_checks import check_candidate_source
+from loom_mcp.worker.guard import findings as guard_findings
 from loom_mcp.worker.protocol import publish_go
 
 Progress = Callable[[str], Awaitable[None]]
@@ -61,7 +62,8 @@ async def validate_candidate(
         if progress:
             await progress(message)
 
-    findings: list[Finding] = list(check_candidate_source(candidate.read_text(), str(candidate)))
+    findings: list[Finding] = list(check_candidate_source(safefs.read_resolved_text(candidate),
+                                                          str(candidate)))
     job_dir.mkdir(parents=True, exist_ok=True)
     device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
@@ -86,6 +88,8 @@ async def validate_candidate(
     cand_spec = JobSpec(
         argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
         env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache)},
+        # its root holds its own directory (the candidate imports siblings) and the inputs
+        readable=[candidate.parent, reference.job_dir],
         writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
         request={"candidate": str(candidate), "cases_file": str(cases_file),
                  "outputs_file": str(outputs_file), "device": device,
@@ -111,6 +115,11 @@ async def validate_candidate(
             raise reference_failure(jobs.results["ref"])
         cand = jobs.results["cand"]
         cand_result = cand.result if cand.ok and cand.result else None
+        # What the candidate worker's audit hook refused: from its result and from the lines it
+        # wrote to stderr as each happened (either channel is enough; errors fail validation).
+        reported = cand.result.get("guard") if isinstance(cand.result, dict) else None
+        findings.extend(Finding(**f) for f in guard_findings(
+            reported if isinstance(reported, list) else None, cand.stderr_tail))
         log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s,
                  cand.timeline(began))
         if cand_result is None:
@@ -119,7 +128,8 @@ async def validate_candidate(
         elif cand_result.get("load_error"):
             findings.append(Finding(check="validation.import", severity="error",
                                     message="the candidate failed to import: " + cand_result["load_error"]))
-        if cand_result is None or cand_result.get("load_error") or not outputs_file.exists():
+        if (cand_result is None or cand_result.get("load_error")
+                or not safefs.is_file(job_dir, "cand/outputs.pt")):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
         publish_go(str(signals / "ref.go"), {}, token)
@@ -142,8 +152,9 @@ async def validate_candidate(
     finally:
         # The inputs and outputs are scratch (the evidence is in the ledger), and big: hundreds
         # of MB per validation that would otherwise pile up over a campaign.
-        for scratch in (cases_file, outputs_file):
-            scratch.unlink(missing_ok=True)
+        # Unlinked by name beneath their directories: no link on the way is followed.
+        safefs.discard(reference.job_dir, cases_file.name)
+        safefs.discard(job_dir, "cand/outputs.pt")
         if reference.alive() and "ref" not in jobs.results:
             reference.discard()
     if "error" in outcome:
@@ -260,6 +271,9 @@ def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
                 shape=plan["shape"]["name"], seed=plan["seed"], input_kind=plan["kind"],
                 dtype=out["dtype"], max_abs_err=out["max_abs_err"], max_rel_err=out["max_rel_err"],
                 mismatched=out["mismatched"], atol=out["atol"], rtol=out["rtol"], passed=ok,
+                atol_effective=out.get("atol_effective"), norm_rel_err=out.get("norm_rel_err"),
+                norm_rel_bound=out.get("norm_rel_bound"), ref_norm_rel_err=out.get("ref_norm_rel_err"),
+                ref_rms=out.get("ref_rms"),
                 shape_match=out["shape_match"], nan_inf_parity=out["nan_inf_parity"],
                 output_type_ok=run["output_type_ok"] and not run["aliases_input"],
                 inputs_unchanged=run["inputs_unchanged"], deterministic=run["deterministic"],

@@ -5,17 +5,24 @@ never imported here, and the reference outputs are computed only after this proc
 Everything this process reports about itself is advisory; the verdict rests on the outputs it
 saved, which the trusted compare step checks.
 
+An audit hook (loom_mcp.worker.guard) is installed before the candidate is imported: what it
+refused goes back in the result's "guard" list (and to stderr as it happens), and each becomes
+an error finding.
+
 Request: {"candidate": path, "cases_file": path, "outputs_file": path, "device": "auto"}
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
 
 import torch
 
+from loom_mcp.worker import guard as guard_module
+from loom_mcp.worker import harness, protocol
 from loom_mcp.worker.harness import (
     as_output_list,
     build_model,
@@ -122,12 +129,20 @@ def main() -> None:
     request = read_request() or {}
     device = pick_device(request.get("device"))
     _poison_uninitialized_memory()
+    # The audit hook goes in before the candidate is imported, and what it found is read
+    # through a local variable (candidate code reaches module globals through sys.modules, not
+    # this function's locals). See loom_mcp.worker.guard.
+    violations = guard_module.install(
+        [request["candidate"]],
+        watch=[sys.modules[__name__], harness, protocol, guard_module]).violations
+    send = send_result
     try:
         module = load_module(request["candidate"], "loom_candidate")
         model_cls = module.ModelNew
         mark("candidate_imported")
     except Exception as exc:
-        send_result({"load_error": user_traceback(exc, request["candidate"]), "cases": []})
+        send({"load_error": user_traceback(exc, request["candidate"]), "cases": [],
+              "guard": violations()})
         return
     if request.get("go_file"):
         wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
@@ -140,7 +155,7 @@ def main() -> None:
         outputs.append(out)
     mark("cases_run")
     torch.save({"outputs": outputs}, request["outputs_file"])
-    send_result({"load_error": None, "cases": reports, "device": str(device)})
+    send({"load_error": None, "cases": reports, "device": str(device), "guard": violations()})
 
 
 if __name__ == "__main__":
