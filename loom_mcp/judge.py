@@ -39,10 +39,11 @@ from loom_mcp.models import (
     RunValidationResult,
     ShapeSpeed,
 )
+from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DeviceLease
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
-from loom_mcp.validate.taskfile import read_task
+from loom_mcp.validate.taskfile import parse_task_source
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -86,8 +87,8 @@ def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candida
     Evidence is reused only when all of it is equal."""
     device = target.device
     material = {
-        "task": hashlib.sha256(task.read_bytes()).hexdigest(),
-        "candidate": hashlib.sha256(candidate.read_bytes()).hexdigest(),
+        "task": hashlib.sha256(safefs.read_resolved_bytes(task)).hexdigest(),
+        "candidate": hashlib.sha256(safefs.read_resolved_bytes(candidate)).hexdigest(),
         "seeds": seeds,
         "shapes": sorted(shapes) if shapes else None,
         "device": [target.torch_device, device.vendor, device.name, device.uuid, device.driver_version],
@@ -133,10 +134,16 @@ def first_visible(gpus: list[DeviceInfo]) -> DeviceInfo:
 
 
 def check_file(config: LoomConfig, path: str, what: str) -> Path:
+    """`path` resolved once and checked against the allowed roots: a regular file reached through
+    no symlink. Callers read the returned path with safefs.read_resolved_*, which refuse it
+    should a component have become a symlink since."""
     resolved = config.check_allowed(Path(path), what)
-    if not resolved.is_file():
-        raise LoomError(ErrorCode.NOT_FOUND, f"{what} file {resolved} does not exist")
-    return resolved
+    try:
+        return safefs.check_resolved_file(resolved, safefs.MAX_SOURCE_BYTES)
+    except LoomError as exc:
+        if exc.code == ErrorCode.NOT_FOUND:
+            raise LoomError(ErrorCode.NOT_FOUND, f"{what} file {resolved} does not exist") from None
+        raise
 
 
 def _finding(f: Finding) -> CheckFinding:
@@ -245,7 +252,9 @@ async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: Artifact
     reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes)
     store_record(ledger, artifacts, run_id, "validation",
                  {"evidence": evidence.model_dump(), "task": str(task_path),
-                  "candidate": str(cand_path), "candidate_sha": artifacts.put_file(cand_path, "candidate"),
+                  "candidate": str(cand_path),
+                  "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(cand_path),
+                                                       "candidate", cand_path.name),
                   "reuse_key": reuse_key},
                  result, campaign_id, reuse_key=reuse_key)
     return result, evidence, held.seconds
@@ -279,10 +288,18 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
         for s in evidence.shapes
     ]
     g = evidence.geomean
-    note = None
+    overhead = max((evidence.bracket_overhead_s or {}).values(), default=None)
+    trusted = evidence.trusted_geomean
+    if trusted is not None:
+        note = ("the arms' own device events, checked against a trusted process's bracket of "
+                f"every call ({trusted.estimate:.3f}x [{trusted.ci_low:.3f}, {trusted.ci_high:.3f}])")
+    else:
+        note = ("timed by a trusted process that runs no code under test"
+                + (f"; its bracket's own cost ({overhead * 1e6:.1f} us a call) is subtracted"
+                   if overhead else ""))
     if evidence.timer == "wall_clock":
         note = ("CPU wall-clock timings, one thread per arm (no GPU here): they say nothing about "
-                "GPU speed")
+                "GPU speed; " + note)
     if any(f.severity == "error" for f in findings):
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
     elif g and g.ci_low > 1 + gate.min_gain:
@@ -316,7 +333,9 @@ def task_baseline(task_path: Path) -> str | None:
     """The task's own BASELINE file, if it names one: what to time when the caller names no
     baseline, because some tasks' Model is a correctness oracle (a CPU float64 reference)
     whose speed means nothing."""
-    name = read_task(task_path).baseline
+    # The resolved, checked path, read without following a link swapped in since (read_task
+    # would open it by name).
+    name = parse_task_source(safefs.read_resolved_text(task_path), str(task_path)).baseline
     return str(task_path.parent / name) if name else None
 
 

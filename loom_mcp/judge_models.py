@@ -21,7 +21,11 @@ class _Model(BaseModel):
 
 
 class Tolerance(_Model):
-    """Elementwise closeness: |out - ref| <= atol + rtol * |ref|, compared in float64."""
+    """Elementwise closeness: |out - ref| <= atol + rtol * |ref|, compared in float64.
+
+    The validation worker also scales it to the reference (loom_mcp.worker.reference): atol is
+    capped at the reference's RMS times the relative tolerance, and ||out - ref|| / ||ref|| must
+    stay within that tolerance or a few times the reference's own error in its dtype."""
 
     atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
@@ -184,6 +188,25 @@ class ValidationCase(_Model):
     mismatched: int | None = Field(default=None, description="Elements outside tolerance")
     atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
+    atol_effective: float | None = Field(
+        default=None,
+        description="The atol applied: atol capped at the reference's scale (its RMS times the "
+        "dtype's relative tolerance, or a few times the reference's own largest error)",
+    )
+    norm_rel_err: float | None = Field(
+        default=None, description="||out - ref||_2 / ||ref||_2 over finite elements, in float64"
+    )
+    norm_rel_bound: float | None = Field(
+        default=None,
+        description="Largest norm_rel_err allowed: max(the dtype's relative tolerance, 4x "
+        "ref_norm_rel_err); None when the reference has no nonzero finite value",
+    )
+    ref_norm_rel_err: float | None = Field(
+        default=None,
+        description="The same normwise error for the reference itself run in the task's dtype on "
+        "this device, against its float64 run (None without a float64 run)",
+    )
+    ref_rms: float | None = Field(default=None, description="RMS of the reference's finite values")
     passed: bool
     shape_match: bool = True
     nan_inf_parity: bool = Field(default=True, description="NaN/Inf positions match the reference")
@@ -303,6 +326,16 @@ class BenchmarkEvidence(_Model):
     outliers_dropped: int = Field(default=0, ge=0, description="Samples dropped as outliers")
     l2_flushed: bool | None = None
     graph_replay: bool | None = None
+    bracket_overhead_s: dict[str, float] | None = Field(
+        default=None,
+        description="Per shape: the trusted timer's own cost per call (median of empty calls), "
+        "already subtracted from every sample",
+    )
+    trusted_geomean: RatioCI | None = Field(
+        default=None,
+        description="GPU: the geomean speedup by the trusted timer's brackets alone, which the "
+        "arms' own event timings (the samples above) must agree with",
+    )
     proof_of_execution: bool | None = Field(
         default=None,
         description="True: the candidate's own kernels appear in a profiler trace; False: they did "

@@ -1,32 +1,41 @@
 """Worker: one arm (baseline or candidate) of an interleaved A/B benchmark, kept warm.
 
-The server's orchestrator connects both arms over a Unix socket and asks for one batch at a
-time, alternating arms, so drift in clocks or temperature lands on both equally. A batch:
-perturb every input set, one warm-up call, then each other set once, back to back; before each
-timed call the L2 is flushed (a read of a buffer larger than it) and a short sleep kernel holds the stream
-so launch latency stays outside the device events; one device-wide sync at the end. Short
-kernels replay from a CUDA/HIP graph. On CPU the timer is a wall clock.
+An arm runs the code under test and nothing else. The trusted timer (loom_mcp.worker.timer) owns
+the inputs, which the arm maps (read-only files on a CPU, CUDA IPC on a GPU), and releases one
+call at a time. On a GPU the arm's stream waits on the timer's go event, runs the call (a graph
+replay for short kernels) between two events of its own, copies the outputs into the timer's
+slots and records its done event, which the timer's stream waits on. On a CPU it runs the call
+and copies the outputs before it answers. Which output positions are compared is never known
+here.
 
-Each reply carries a checksum of the output at positions the orchestrator chose secretly, so a
-candidate that computes honestly only when validated is caught while being timed.
+The proof-of-execution arm (a third process, never timed) connects to the server instead and
+answers trace_start / trace.
 
 Request: {"role", "module", "class_name", "cases_file", "socket", "token", "device",
-          "flush_bytes", "graph_below_s", "rotate_bytes", "max_sets"}
+          "graph_below_s"}
 """
 
 from __future__ import annotations
 
-import json
+from loom_mcp.worker.protocol import request_role, take_bench_pid
+
+if __name__ == "__main__":
+    take_bench_pid(request_role())  # before torch: see take_pid
+
+import json  # noqa: E402
 import socket
+import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from loom_mcp.worker import exchange
 from loom_mcp.worker.harness import (
     as_output_list,
     build_model,
-    input_bytes,
     load_module,
     pick_device,
     synchronize,
@@ -34,30 +43,16 @@ from loom_mcp.worker.harness import (
 )
 from loom_mcp.worker.protocol import exit_now, read_request, send_result
 
-# Cycles the stream is held before each timed call, so the call's launches are already queued
-# when the start event fires. ~100 us at H200 clocks: Python-side Triton launches take tens of
-# microseconds, and a shorter hold let their launch latency leak into the timing.
-HOLD_CYCLES = 200_000
-
-# Bound before the candidate is imported: a candidate that replaces these module attributes
-# does not change what the harness calls, and the replacement is detected and reported.
-_perf_counter = time.perf_counter
-_Event = torch.cuda.Event
-_elapsed_time = torch.cuda.Event.elapsed_time
-_cuda_synchronize = torch.cuda.synchronize
+# Harness functions a candidate has no business replacing. Timing no longer happens in this
+# process, so a replacement changes no number; it is still reported, as intent.
 _GUARDED = {
-    "time.perf_counter": (lambda: time.perf_counter, _perf_counter),
-    "torch.cuda.Event": (lambda: torch.cuda.Event, _Event),
-    "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time, _elapsed_time),
-    "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, _cuda_synchronize),
+    "time.perf_counter": (lambda: time.perf_counter, time.perf_counter),
+    "torch.cuda.Event": (lambda: torch.cuda.Event, torch.cuda.Event),
+    "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time,
+                                      torch.cuda.Event.elapsed_time),
+    "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, torch.cuda.synchronize),
 }
-
-
-def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
-    """Input sets a batch rotates through: enough that together they pass `rotate_bytes`, at
-    least 2 (a repeated pointer would serve a pointer-keyed cache), at most `max_sets`."""
-    wanted = -(-rotate_bytes // max(set_bytes, 1)) if rotate_bytes else 2
-    return max(2, min(max_sets, wanted))
+_perf_counter = time.perf_counter
 
 
 def tampered() -> list[str]:
@@ -67,7 +62,8 @@ def tampered() -> list[str]:
 class Arm:
     def __init__(self, request: dict) -> None:
         self.device = pick_device(request.get("device"))
-        if self.device.type == "cpu":
+        self.gpu = self.device.type == "cuda"
+        if not self.gpu:
             # One thread per arm: a parallel region stalls whenever one of its threads loses
             # its core, so on a loaded machine the arm whose ops happen to parallelise was timed
             # hundreds of times slower than the other (seen on a 2-core CI machine).
@@ -75,77 +71,75 @@ class Arm:
         module = load_module(request["module"], f"loom_bench_{request['role']}")
         self.model_cls = getattr(module, request["class_name"])
         self.cases_file = request["cases_file"]
-        self.shapes: list[dict] = []  # loaded on "load": the inputs are prepared while we start
-        self.flush_bytes = int(request.get("flush_bytes") or 0)
+        self.shapes: list[dict] = []
         self.graph_below_s = float(request.get("graph_below_s") or 0.0)
-        self.gpu = self.device.type == "cuda"
-        self.flush_buffer = (torch.ones(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
-                             if self.flush_bytes else None)
-        self.flush_sink = torch.empty((), dtype=torch.int64, device=self.device)
         self.current: dict[str, Any] = {}
-        self.perturb = bool(request.get("perturb", True))
-        self.rotate_bytes = int(request.get("rotate_bytes") or 0)
-        self.max_sets = int(request.get("max_sets") or 8)
+        self.slots: list[torch.Tensor] = []
+        self.go: Any = None
+        self.done: Any = None
+        self.stream: Any = None
+        self.own_events: list = []
 
     # -- setup
-    def load(self) -> dict:
+    def load(self, timed: bool = False, go: str | None = None) -> dict:
         self.shapes = torch.load(self.cases_file, weights_only=True)["shapes"]
-        return {"shapes": len(self.shapes)}
+        reply: dict[str, Any] = {"shapes": len(self.shapes)}
+        if timed and self.gpu:
+            # Opening an event handle needs this thread's context current; it makes none itself.
+            device = torch.device("cuda", torch.cuda.current_device())
+            torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
+            self.stream = torch.cuda.Stream()
+            self.done = torch.cuda.Event(interprocess=True)
+            self.done.record(self.stream)  # created on this device now, so its handle can be taken
+            reply["done"] = self.done.ipc_handle().hex()
+            self.go = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(go or ""))
+        return reply
 
-    def setup(self, shape_index: int) -> dict:
+    def setup(self, shape_index: int, shared: dict) -> dict:
         sets = self.shapes[shape_index]["sets"]
         model = build_model(self.model_cls, sets[0], self.device)
-        # Pristine device copies: the per-batch perturbation starts from them without a host copy.
-        pristine = [to_device(s["inputs"], self.device) for s in sets]
-        # The timed sets: the prepared ones, then device copies of them up to the rotation count.
-        # Every batch perturbs each set with its own noise, so a copy never repeats content.
-        count = rotation_count(input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
-        pristine = [pristine[i % len(pristine)] for i in range(max(count, len(pristine)))]
-        inputs = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
-        self.current = {"model": model, "inputs": inputs, "pristine": pristine, "graphs": None,
-                        "outputs": None, "shape": shape_index}
+        inputs = exchange.open_inputs(shared)  # the timer's live input sets, mapped
+        self.current = {"model": model, "inputs": inputs, "graphs": None, "outputs": None}
         with torch.no_grad():
             for _ in range(3):  # compile, autotune and allocate outside the timed region
                 for x in inputs:
-                    model(*x)
+                    outputs = as_output_list(model(*x))
         synchronize(self.device)
+        if any(type(out) is not torch.Tensor for out in outputs):
+            raise TypeError("an output is not a plain torch.Tensor")
+        specs = exchange.output_specs(outputs)
         estimate = min(self._time_eager(i) for i in range(len(inputs)) for _ in range(3))
         use_graph = self.gpu and estimate < self.graph_below_s
         if use_graph:
             use_graph = self._capture()
-        return {"estimate_s": estimate, "graph": use_graph, "sets": len(inputs)}
+        return {"estimate_s": estimate, "graph": use_graph, "sets": len(inputs), "specs": specs}
+
+    def bind(self, slots: dict) -> dict:
+        """The timer's output slots for this arm, one per output."""
+        self.slots = exchange.open_slots(slots)
+        return {"slots": len(self.slots)}
 
     def _capture(self) -> bool:
         model, graphs, outputs = self.current["model"], [], []
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.no_grad():
+            with torch.cuda.stream(self.stream), torch.no_grad():
                 for x in self.current["inputs"]:
                     model(*x)
-            torch.cuda.current_stream().wait_stream(stream)
+            self.stream.synchronize()
             for x in self.current["inputs"]:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph), torch.no_grad():
                     out = as_output_list(model(*x))
                 graphs.append(graph)
                 outputs.append(out)
-        except Exception:  # not capturable (host sync, dynamic shapes): time eagerly instead
+        except Exception:  # not capturable (host sync, dynamic shapes): run eagerly instead
             torch.cuda.synchronize()
             return False
         self.current["graphs"], self.current["outputs"] = graphs, outputs
         return True
 
-    # -- timing
-    def _flush(self) -> None:
-        """Evict the L2 by reading a buffer at least twice its size. Reading, not writing: a write flush
-        leaves the L2 full of dirty lines that the timed kernel then pays to write back. On an
-        H200 a zero_() flush timed a 768 MB Triton add at 188.7 us, a read flush at 183.5 us,
-        and ncu (which invalidates clean) at 182.1 us."""
-        if self.flush_buffer is not None:
-            torch.sum(self.flush_buffer, 0, dtype=torch.int64, out=self.flush_sink)
-
-    def _launch(self, set_index: int):
+    def _launch(self, set_index: int) -> list:
         if self.current.get("graphs"):
             self.current["graphs"][set_index].replay()
             return self.current["outputs"][set_index]
@@ -153,79 +147,61 @@ class Arm:
             return as_output_list(self.current["model"](*self.current["inputs"][set_index]))
 
     def _time_eager(self, set_index: int) -> float:
-        """One call, timed alone (used for the setup estimate)."""
-        self._flush()
-        if self.gpu:
-            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-            torch.cuda._sleep(HOLD_CYCLES)
-            start.record()
-            self._launch(set_index)
-            end.record()
-            _cuda_synchronize()
-            return _elapsed_time(start, end) / 1e3
+        """One call, timed here only to choose between graph replay and eager launches."""
+        synchronize(self.device)
         t0 = _perf_counter()
         self._launch(set_index)
+        synchronize(self.device)
         return _perf_counter() - t0
 
-    def _perturb(self, salt: int) -> None:
-        """Give every input set content never seen before, identically in both arms: each floating
-        element times U(0.9, 1.1) drawn from the salt. A result cache keyed by pointer or by
-        content then returns stale values, which the sampled-output comparison catches. In place, so
-        captured graphs see it. Outside the timed region."""
-        generator = torch.Generator(device=self.device).manual_seed(salt)
-        for live_set, pristine_set in zip(self.current["inputs"], self.current["pristine"]):
-            for live, original in zip(live_set, pristine_set):
-                if isinstance(live, torch.Tensor) and live.is_floating_point():
-                    noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
-                    noise.uniform_(0.9, 1.1, generator=generator)
-                    live.copy_(original.float() * noise)
+    # -- one call, released and timed by the timer
+    def _hand_over(self, outputs: list) -> dict:
+        """Copy each output into the timer's slot for it (on this stream on a GPU)."""
+        if len(outputs) != len(self.slots):
+            return {"output_error": f"{len(outputs)} outputs where setup gave {len(self.slots)}"}
+        for slot, out in zip(self.slots, outputs, strict=True):
+            if type(out) is not torch.Tensor:
+                return {"output_error": "output is not a plain torch.Tensor"}
+            if out.numel() * out.element_size() > slot.numel():
+                return {"output_error": "an output grew past its size at setup"}
+            exchange.put(slot, out)
+        return {"outputs": len(outputs)}
 
-    def batch(self, probe: list[int], salt: int) -> dict:
-        """One warm-up call on set 0, then each other set once, timed back to back.
+    def call(self, set_index: int, empty: bool) -> dict:
+        if not self.gpu:
+            if empty:
+                return {"outputs": 0}
+            reply = self._hand_over(self._launch(set_index))
+            reply["tampered"] = tampered()
+            return reply
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.go)
+            reply: dict[str, Any] = {"outputs": 0}
+            if not empty:
+                # The arm's own reading of the same call (see `times`): precise, but only ever
+                # checked against the timer's, never trusted alone.
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                outputs = self._launch(set_index)
+                end.record(self.stream)
+                self.own_events.append((start, end))
+                reply = self._hand_over(outputs)
+            self.done.record(self.stream)
+        if not empty:
+            reply["tampered"] = tampered()
+        return reply
 
-        Timing right after a warm-up call, with no host round trip between, measures the device in
-        its steady state: a GPU left idle between samples (sockets, the other arm) drops its
-        clocks and the next kernel would be timed slow. Every timed set was perturbed since its
-        last use, so no call in the batch sees inputs it has seen before."""
-        if self.perturb:
-            self._perturb(salt)
-        synchronize(self.device)
-        sets = len(self.current["inputs"])
-        self._launch(0)
-        times, outputs = [], []
-        if self.gpu:
-            events = []
-            for i in range(1, sets):
-                self._flush()
-                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-                torch.cuda._sleep(HOLD_CYCLES)  # keeps the GPU busy while the launches below queue up
-                start.record()
-                outputs.append(self._launch(i))
-                end.record()
-                events.append((start, end))
-            _cuda_synchronize()
-            times = [_elapsed_time(a, b) / 1e3 for a, b in events]
-        else:
-            for i in range(1, sets):
-                self._flush()
-                t0 = _perf_counter()
-                outputs.append(self._launch(i))
-                times.append(_perf_counter() - t0)
-        synchronize(self.device)
-        samples = []  # the output values at the probed positions, per call and output
-        for out_list in outputs:
-            one = []
-            for out in out_list:
-                if type(out) is not torch.Tensor:
-                    return {"times": times, "samples": None, "error": "output is not a plain torch.Tensor"}
-                flat = out.detach().reshape(-1)
-                idx = torch.tensor([p % max(flat.numel(), 1) for p in probe], device=flat.device)
-                one.append(flat[idx].double().cpu().tolist() if flat.numel() else [])
-            samples.append(one)
-        return {"times": times, "samples": samples, "error": None, "tampered": tampered()}
+    def times(self) -> dict:
+        """The arm's own event timings of the calls since the last ask, in order."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in self.own_events]
+        self.own_events = []
+        return {"times": times}
 
+    # -- proof of execution (a third process, never timed)
     def trace_start(self) -> dict:
-        """Start a profiler on this process (the proof arm: never timed), ahead of `trace`."""
+        """Start a profiler on this process ahead of `trace`."""
         from torch.profiler import ProfilerActivity, profile
 
         began = time.perf_counter()
@@ -248,15 +224,36 @@ class Arm:
         return {"kernels": names[:200], "seconds": {"trace": time.perf_counter() - began}}
 
 
+def _connect(path: str, timeout_s: float = 300.0) -> socket.socket:
+    """Connect to the timer's (or server's) socket, which may not be listening yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            return conn
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def main() -> None:
     request = read_request() or {}
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(request["socket"])
+    conn = _connect(request["socket"])
     reader = conn.makefile("r", encoding="utf-8")
 
     def reply(obj: dict) -> None:
         conn.sendall((json.dumps(obj) + "\n").encode())
 
+    violations = lambda: []  # noqa: E731
+    if request.get("role") != "baseline":
+        # Before the candidate is imported; bound to a local, out of the candidate's reach.
+        from loom_mcp.worker import guard as guard_module
+
+        violations = guard_module.install(
+            [request["module"]], watch=[sys.modules[__name__], guard_module]).violations
     try:
         arm = Arm(request)
     except Exception as exc:
@@ -264,28 +261,34 @@ def main() -> None:
         send_result({"error": str(exc)})
         return
     reply({"hello": request["token"], "role": request["role"], "error": None, "device": str(arm.device)})
-    samples = 0
+    calls = 0
     for line in reader:
         command = json.loads(line)
         op = command["op"]
         try:
             if op == "load":
-                reply(arm.load())
+                reply(arm.load(bool(command.get("timed")), command.get("go")))
             elif op == "setup":
-                reply(arm.setup(command["shape"]))
-            elif op == "batch":
-                samples += 1
-                reply(arm.batch(command["probe"], command["salt"]))
+                reply(arm.setup(command["shape"], command["inputs"]))
+            elif op == "bind":
+                reply(arm.bind(command["slots"]))
+            elif op == "call":
+                calls += 1
+                reply(arm.call(int(command["set"]), bool(command.get("empty"))))
+            elif op == "times":
+                reply(arm.times())
             elif op == "trace_start":
                 reply(arm.trace_start())
             elif op == "trace":
                 reply(arm.trace(command["shape"]))
             elif op == "quit":
-                reply({"bye": True})
+                reply({"bye": True, "violations": violations()})
                 break
         except Exception as exc:
-            reply({"error": f"{type(exc).__name__}: {exc}"})
-    send_result({"samples": samples})
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            reply({"error": f"{type(exc).__name__}: {str(exc)[:300]} (at {Path(where.filename).name}:"
+                            f"{where.lineno} in {where.name})"})
+    send_result({"calls": calls, "guard": violations()})
 
 
 if __name__ == "__main__":

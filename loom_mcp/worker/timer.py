@@ -1,0 +1,412 @@
+"""Worker: the benchmark's trusted timer. It never imports candidate code; every number the gate
+uses is taken here.
+
+A process that runs candidate code can rewrite anything in itself (a frame walk reached the old
+harness's clock; a compiled extension can patch memory), so the two arms only *run* calls and
+this process measures them from outside:
+
+* It owns the inputs. Each call's input set is re-perturbed here (each floating element times
+  U(0.9, 1.1), the same noise for both arms) right before the call is released, so nothing an
+  arm computed earlier matches.
+* On a GPU it brackets each call with its own CUDA events. The arm's stream waits on an
+  interprocess event this process records after its start event; the arm records its own
+  interprocess event after its work, which this stream waits on before the end event. The L2
+  flush, the perturbation and a hold (so the arm's launches are queued before the start event)
+  run on this stream ahead of the bracket. Two processes' kernels time-slice on one GPU, so a
+  bracket also holds a context switch there and back: a few hundred microseconds, measured by
+  empty calls of the baseline arm and subtracted by the server.
+* On a CPU it timestamps the handshake: call sent, reply received.
+* Each arm copies its outputs into slots this process owns (files only that arm may write on a
+  CPU, CUDA allocations on a GPU) before it answers; this process reads them at the secret
+  positions, which never leave it. The copy's cost, timed here, is charged back. (Positions an
+  arm could read let a candidate that knew it was timed compute only those: a red-team
+  candidate doing 1/64 of the work was accepted at 8.95x before.)
+* On a GPU the arms also time their own work with device events; those precise samples are what
+  the server's statistics use there, checked against these brackets.
+
+Request: {"socket", "arms_socket", "token", "arm_tokens" {role: token}, "cases_file", "device",
+          "flush_bytes", "rotate_bytes", "max_sets", "exchange"}
+Server ops (one JSON line each, one reply each): wait_arms, load, setup {shape}, batch {order,
+salt, probe, empty}, quit.
+"""
+
+from __future__ import annotations
+
+from loom_mcp.worker.protocol import take_bench_pid
+
+if __name__ == "__main__":
+    take_bench_pid("timer")  # before torch: see take_pid
+
+import hmac  # noqa: E402
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom_mcp.worker import exchange
+from loom_mcp.worker.harness import input_bytes, pick_device, synchronize, to_device
+from loom_mcp.worker.protocol import exit_now, forbid_inspection, read_request, send_result
+
+# Outputs per call the timer reads, and positions per output.
+MAX_OUTPUTS = 8
+MAX_PROBES = 64
+# Output slots are sized from what the arm reports; it may not ask for more than this.
+MIN_OUTPUT_CAP = 256 << 20
+OUTPUT_CAP_PER_INPUT = 8
+# Cycles this stream sleeps before a call is released: the arm's launches must be queued by
+# then. Doubled (up to the cap) whenever the arm's work was already done when the end event
+# was queued, i.e. the host round trip outran the hold and the bracket timed launch latency.
+HOLD_CYCLES = 400_000
+HOLD_CYCLES_MAX = 16_000_000
+
+
+def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
+    """Input sets a batch rotates through: enough that together they pass `rotate_bytes`, at
+    least 2 (a repeated pointer would serve a pointer-keyed cache), at most `max_sets`."""
+    wanted = -(-rotate_bytes // max(set_bytes, 1)) if rotate_bytes else 2
+    return max(2, min(max_sets, wanted))
+
+
+class Line:
+    """A JSON-lines connection."""
+
+    def __init__(self, sock: socket.socket, role: str = "?") -> None:
+        self.sock = sock
+        self.reader = sock.makefile("r", encoding="utf-8")
+        self.role = role
+
+    def send(self, obj: dict) -> None:
+        self.sock.sendall((json.dumps(obj) + "\n").encode())
+
+    def receive(self) -> dict:
+        line = self.reader.readline(1 << 22)
+        if not line:
+            raise ArmGone(self.role)
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ValueError(f"{self.role}: reply is not an object")
+        return reply
+
+    def ask(self, obj: dict) -> dict:
+        self.send(obj)
+        reply = self.receive()
+        if reply.get("error"):
+            raise ArmFailed(self.role, str(reply["error"]))
+        return reply
+
+
+class ArmGone(Exception):
+    pass
+
+
+class ArmFailed(Exception):
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
+
+
+class Timer:
+    def __init__(self, request: dict) -> None:
+        self.request = request
+        self.device = pick_device(request.get("device"))
+        self.gpu = self.device.type == "cuda"
+        if not self.gpu:
+            torch.set_num_threads(1)
+        self.arms: dict[str, Line] = {}
+        self.shapes: list[dict] = []
+        self.flush_bytes = int(request.get("flush_bytes") or 0)
+        self.rotate_bytes = int(request.get("rotate_bytes") or 0)
+        self.max_sets = int(request.get("max_sets") or 8)
+        self.hold = HOLD_CYCLES
+        self.late = 0
+        if self.gpu:
+            self.flush_buffer = (torch.ones(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
+                                 if self.flush_bytes else None)
+            self.flush_sink = torch.empty((), dtype=torch.int64, device=self.device)
+            self.go = torch.cuda.Event(interprocess=True)
+            self.go.record()  # created on this device now, so its handle can be taken
+            self.done: dict[str, torch.cuda.Event] = {}
+        self.exchange = Path(request["exchange"])
+        self.current: dict[str, Any] = {}
+        self.slots: dict[str, list[torch.Tensor]] = {}
+        self.specs: dict[str, list[dict]] = {}
+        self.copy_s: dict[str, float] = {}
+        self.positions = torch.zeros(MAX_PROBES, dtype=torch.int64, device=self.device)
+
+    # -- arms
+    def accept_arms(self, listener: socket.socket, tokens: dict[str, str]) -> dict:
+        listener.settimeout(float(self.request.get("connect_timeout_s", 300)))
+        while len(self.arms) < len(tokens):
+            sock, _ = listener.accept()
+            sock.settimeout(None)
+            conn = Line(sock)
+            try:
+                hello = conn.receive()
+            except (ArmGone, ValueError):
+                sock.close()
+                continue
+            role = hello.get("role")
+            if (role not in tokens or role in self.arms
+                    or not hmac.compare_digest(str(hello.get("hello")), tokens[role])):
+                sock.close()
+                continue
+            conn.role = role
+            if hello.get("error"):
+                raise ArmFailed(role, str(hello["error"]))
+            self.arms[role] = conn
+        return {"arms": sorted(self.arms)}
+
+    def load(self) -> dict:
+        self.shapes = torch.load(self.request["cases_file"], weights_only=True)["shapes"]
+        go = self.go.ipc_handle().hex() if self.gpu else None
+        for role, arm in self.arms.items():
+            reply = arm.ask({"op": "load", "timed": True, "go": go})
+            if self.gpu:
+                handle = bytes.fromhex(str(reply.get("done", "")))
+                self.done[role] = torch.cuda.Event.from_ipc_handle(self.device, handle)
+        return {"shapes": len(self.shapes)}
+
+    def setup(self, shape_index: int) -> dict:
+        sets = self.shapes[shape_index]["sets"]
+        pristine = [to_device(s["inputs"], self.device) for s in sets]
+        count = rotation_count(input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
+        pristine = [pristine[i % len(pristine)] for i in range(max(count, len(pristine)))]
+        live = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
+        inputs_dir = None if self.gpu else self._fresh(self.exchange / "in" / str(shape_index))
+        shared = exchange.share_inputs(live, inputs_dir)  # CPU: `live` now maps the files
+        self.current = {"pristine": pristine, "live": live}
+        replies = {role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared})
+                   for role, arm in self.arms.items()}
+        cap = max(MIN_OUTPUT_CAP, OUTPUT_CAP_PER_INPUT * input_bytes(pristine[0]))
+        for role, arm in self.arms.items():
+            specs = replies[role].get("specs")
+            if not isinstance(specs, list) or not 0 < len(specs) <= MAX_OUTPUTS:
+                raise ArmFailed(role, "it reported no outputs, or more than "
+                                      f"{MAX_OUTPUTS}")
+            self.specs[role] = [{"nbytes": int(x["nbytes"]), "dtype": str(x["dtype"])} for x in specs]
+            for spec in self.specs[role]:
+                exchange.dtype_named(spec["dtype"])
+            out_dir = None if self.gpu else self._fresh(self.exchange / f"out-{role}" / str(shape_index))
+            self.slots[role], described = exchange.output_slots(self.specs[role], out_dir,
+                                                                self.device, cap)
+            arm.ask({"op": "bind", "slots": described})
+            self.copy_s[role] = self._copy_cost(self.slots[role])
+        for reply in replies.values():
+            reply.pop("specs", None)
+        return {"sets": len(live), "graph": any(r.get("graph") for r in replies.values()),
+                "arms": replies, "copy_s": self.copy_s}
+
+    @staticmethod
+    def _fresh(directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def _copy_cost(self, slots: list[torch.Tensor]) -> float:
+        """What copying outputs of these sizes into their slots costs, timed here: the arms do it
+        inside the bracket (so the timer reads what the call produced, at positions no arm ever
+        sees), and the bracket's reading is charged for it."""
+        sources = [torch.empty_like(slot) for slot in slots]
+        runs = []
+        for _ in range(5):
+            if self.gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for slot, source in zip(slots, sources, strict=True):
+                    slot.copy_(source)
+                end.record()
+                end.synchronize()
+                runs.append(start.elapsed_time(end) / 1e3)
+            else:
+                began = time.perf_counter()
+                for slot, source in zip(slots, sources, strict=True):
+                    slot.copy_(source)
+                runs.append(time.perf_counter() - began)
+        return sorted(runs)[len(runs) // 2]
+
+    # -- one call
+    def _perturb(self, set_index: int, salt: int) -> None:
+        """Fresh content for one input set, the same for both arms: (salt, set) seeds the noise."""
+        generator = torch.Generator(device=self.device).manual_seed((salt << 8) + set_index)
+        for live, original in zip(self.current["live"][set_index],
+                                  self.current["pristine"][set_index], strict=True):
+            if isinstance(live, torch.Tensor) and live.is_floating_point():
+                noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
+                noise.uniform_(0.9, 1.1, generator=generator)
+                live.copy_(original.float() * noise)
+
+    def _flush(self) -> None:
+        """Evict the L2 by reading a buffer larger than it (a read leaves no dirty lines)."""
+        if self.flush_buffer is not None:
+            torch.sum(self.flush_buffer, 0, dtype=torch.int64, out=self.flush_sink)
+
+    def _call_gpu(self, arm: Line, role: str, set_index: int, empty: bool,
+                  salt: int) -> tuple[Any, Any, dict]:
+        torch.cuda._sleep(self.hold)
+        # Perturbed after the hold, just before the bracket: an arm that ran ahead of its go
+        # event would have read the previous content.
+        if not empty:
+            self._perturb(set_index, salt)
+        self._flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.go.record()
+        reply = arm.ask({"op": "call", "set": set_index, "empty": empty})
+        done = self.done[role]
+        if done.query():
+            self.late += 1
+            self.hold = min(self.hold * 2, HOLD_CYCLES_MAX)
+        torch.cuda.current_stream().wait_event(done)
+        end.record()
+        # Read on this stream before the next call can be released: what this call produced.
+        snapshot = None if empty else self._read(role, reply)
+        return (start, end), snapshot, reply
+
+    def _call_cpu(self, arm: Line, role: str, set_index: int, empty: bool,
+                  salt: int) -> tuple[float, Any, dict]:
+        if not empty:
+            self._perturb(set_index, salt)
+        began = time.perf_counter()
+        reply = arm.ask({"op": "call", "set": set_index, "empty": empty})
+        elapsed = time.perf_counter() - began
+        return elapsed, None if empty else self._read(role, reply), reply
+
+    def _read(self, role: str, reply: dict) -> list[torch.Tensor] | None:
+        """The call's outputs at the secret positions, from the slots this process owns."""
+        if reply.get("output_error") or reply.get("outputs") != len(self.specs[role]):
+            return None
+        return [exchange.read_at(slot, spec, self.positions)
+                for slot, spec in zip(self.slots[role], self.specs[role], strict=True)]
+
+    # -- a batch
+    def batch(self, order: list[str], salt: int, probe: list[int], empties: int) -> dict:
+        """For each arm in `order`: a warm-up call on set 0, then each other set once, every call
+        on freshly perturbed inputs and bracketed here; the baseline also runs `empties` calls
+        that do nothing, which measure the bracket's own cost."""
+        # The positions stay in this process: no arm can compute just them.
+        self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64,
+                                      device=self.device)
+        sets = len(self.current["live"])
+        out: dict[str, Any] = {}
+        overhead: list[float] = []
+        for role in order:
+            arm = self.arms[role]
+            brackets, snapshots, replies, empty_brackets = [], [], [], []
+            for i in range(sets):
+                if self.gpu:
+                    bracket, snap, reply = self._call_gpu(arm, role, i, False, salt)
+                else:
+                    bracket, snap, reply = self._call_cpu(arm, role, i, False, salt)
+                if i == 0:
+                    continue  # warm-up: the device leaves its idle state on an untimed call
+                brackets.append(bracket)
+                snapshots.append((snap, reply))
+                replies.append(reply)
+            if role == "baseline":
+                for _ in range(empties):
+                    if self.gpu:
+                        bracket, _, _ = self._call_gpu(arm, role, 0, True, salt)
+                    else:
+                        bracket, _, _ = self._call_cpu(arm, role, 0, True, salt)
+                    empty_brackets.append(bracket)
+            synchronize(self.device)
+            # On a GPU the arm also timed its work with its own events (precise, but taken in a
+            # process that runs the code under test): reported beside the timer's, for the
+            # server to check one against the other.
+            own = arm.ask({"op": "times"})["times"][1:] if self.gpu else None
+            times = [self._seconds(b) - self.copy_s.get(role, 0.0) for b in brackets]
+            overhead += [self._seconds(b) for b in empty_brackets]
+            samples: list | None = []
+            error = None
+            for snap, reply in snapshots:
+                if snap is None:
+                    samples, error = None, str(reply.get("output_error")
+                                               or "the arm's outputs differ in number from setup's")
+                    break
+                samples.append([values.cpu().tolist() for values in snap])
+            tampered = sorted({t for r in replies for t in (r.get("tampered") or [])})
+            out[role] = {"times": times, "own_times": own, "samples": samples, "error": error,
+                         "tampered": tampered}
+        return {"arms": out, "overhead": overhead, "late": self.late, "hold_cycles": self.hold}
+
+    def _seconds(self, bracket: Any) -> float:
+        if isinstance(bracket, float):
+            return bracket
+        start, end = bracket
+        return start.elapsed_time(end) / 1e3
+
+    def quit(self) -> dict:
+        """End the arms; what the candidate's audit-hook guard refused while it ran."""
+        refused: list = []
+        for role, arm in self.arms.items():
+            try:
+                bye = arm.ask({"op": "quit"})
+            except Exception:
+                continue
+            if role == "candidate" and isinstance(bye.get("violations"), list):
+                refused = bye["violations"][:200]
+        return {"bye": True, "guard": refused}
+
+
+def main() -> None:
+    request = read_request() or {}
+    forbid_inspection()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(request["arms_socket"])
+    listener.listen(8)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.connect(request["socket"])
+    conn = Line(server, "server")
+    try:
+        timer = Timer(request)
+    except Exception as exc:
+        conn.send({"hello": request["token"], "role": "timer", "error": f"{type(exc).__name__}: {exc}"})
+        send_result({"error": str(exc)})
+        return
+    conn.send({"hello": request["token"], "role": "timer", "error": None, "device": str(timer.device)})
+    batches = 0
+    while True:
+        try:
+            command = conn.receive()
+        except ArmGone:
+            break
+        op = command.get("op")
+        try:
+            if op == "wait_arms":
+                reply = timer.accept_arms(listener, dict(request["arm_tokens"]))
+            elif op == "load":
+                reply = timer.load()
+            elif op == "setup":
+                reply = timer.setup(int(command["shape"]))
+            elif op == "batch":
+                batches += 1
+                reply = timer.batch(list(command["order"]), int(command["salt"]),
+                                    list(command["probe"]), int(command.get("empties", 2)))
+            elif op == "quit":
+                conn.send(timer.quit())
+                break
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except ArmFailed as exc:
+            reply = {"error": str(exc), "arm": exc.role}
+        except ArmGone as exc:
+            reply = {"error": "the arm's process ended", "arm": str(exc)}
+        except TimeoutError:
+            reply = {"error": "an arm did not connect in time", "arm": "?"}
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        conn.send(reply)
+    send_result({"batches": batches})
+    try:
+        os.unlink(request["arms_socket"])
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
+

@@ -1,0 +1,100 @@
+"""The benchmark's numbers come from the trusted timer process, not from the arms that run the
+code under test: a candidate that rewrites the clocks around it gains nothing. Through the real
+MCP protocol, real sandboxed workers, on CPU."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from loom_mcp.bench.runner import OWN_TIMING_ALLOWANCE, flag_disagreement, subtract_overhead
+from loom_mcp.config import load_config
+from loom_mcp.judge_models import RatioCI
+from loom_mcp.server import build_server
+
+REDTEAM = Path(__file__).parent / "redteam"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("timer")
+    shutil.copytree(REDTEAM, root / "redteam")
+    return root
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_forged_clock_gains_nothing(workspace):
+    server = build_server(load_config(workspace / "home",
+                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    async with Client(server) as client:
+        result = await client.call_tool("benchmark", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / "attack_forged_clock.py"),
+            "shapes": ["rows8_d64"]})
+    assert result.is_error is False, result.content
+    timed = result.structured_content
+    shape = timed["shapes"][0]
+    # The same maths as the reference: a rewritten clock made it 1.41x when the arm timed itself.
+    assert 0.5 < shape["speedup"] < 1.25, shape
+    assert shape["candidate_median_s"] > 1e-6
+    assert "trusted process" in timed["timer_note"]
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_partial_work_while_timed_is_caught(workspace):
+    server = build_server(load_config(workspace / "home",
+                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    async with Client(server) as client:
+        result = await client.call_tool("benchmark", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / "cheat_timed_partial.py"),
+            "shapes": ["rows8_d64"]})
+    assert result.is_error is False, result.content
+    errors = {f["check"] for f in result.structured_content["findings"] if f["severity"] == "error"}
+    assert "benchmark.output_mismatch" in errors
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tool,arguments", [
+    ("run_validation", {"task": "{root}/redteam/task_rmsnorm.py",
+                        "candidate": "{root}/redteam/honest_torch.py\0"}),
+    ("benchmark", {"task": "{root}/redteam/task_rmsnorm.py\0",
+                   "candidate": "{root}/redteam/honest_torch.py"}),
+    ("analyze_trace", {"trace": "{root}/x.json\0"}),
+    ("start_campaign", {"repo": "{root}/{long}", "goal": "x"}),
+])
+async def test_unusable_paths_are_bad_input_not_internal(workspace, tool, arguments):
+    server = build_server(load_config(workspace / "home",
+                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    filled = {k: v.format(root=workspace, long="x" * 5000).replace("\\0", "\0")
+              for k, v in arguments.items()}
+    async with Client(server) as client:
+        result = await client.call_tool(tool, filled)
+    assert result.is_error is True
+    assert "[BAD_INPUT]" in result.content[0].text, result.content[0].text
+
+
+def test_bracket_cost_is_subtracted_and_floored():
+    assert subtract_overhead([3e-5, 1e-5], 1e-5) == pytest.approx([2e-5, 1e-8])
+    assert subtract_overhead([5e-6], 1e-5) == [pytest.approx(1e-8)]
+
+
+def ci(estimate: float, low: float, high: float) -> RatioCI:
+    return RatioCI(estimate=estimate, ci_low=low, ci_high=high, level=0.95, resamples=1000,
+                   method="paired_bootstrap")
+
+
+def test_own_clocks_claiming_more_than_the_trusted_brackets_are_flagged():
+    trusted = ci(1.0, 0.97, 1.03)
+    findings: list = []
+    flag_disagreement(trusted, ci(1.05, 1.04, 1.06), findings)
+    assert findings == []  # within the brackets' CI and the allowance: an honest small gain
+    claimed = 1.03 * (1 + OWN_TIMING_ALLOWANCE) * 1.05
+    flag_disagreement(trusted, ci(claimed, claimed - 0.01, claimed + 0.01), findings)
+    assert [f.check for f in findings] == ["benchmark.timing_disagreement"]
+    assert findings[0].severity == "error"
