@@ -60,6 +60,21 @@ async def test_partial_work_while_timed_is_caught(workspace):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_candidate_busy_while_the_baseline_runs_is_caught(workspace):
+    server = build_server(load_config(workspace / "home",
+                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    async with Client(server) as client:
+        result = await client.call_tool("benchmark", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / "cheat_busy_idle.py"),
+            "shapes": ["rows8_d64"]})
+    assert result.is_error is False, result.content
+    errors = {f["check"] for f in result.structured_content["findings"] if f["severity"] == "error"}
+    assert "benchmark.busy_while_idle" in errors
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("tool,arguments", [
     ("run_validation", {"task": "{root}/redteam/task_rmsnorm.py",
                         "candidate": "{root}/redteam/honest_torch.py\0"}),

@@ -27,10 +27,18 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from loom_mcp.bench.stats import analyze_shapes
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, RatioCI, ShapeSamples
+from loom_mcp.judge_models import (
+    BenchmarkEvidence,
+    Finding,
+    GateConfig,
+    RatioCI,
+    ShapeSamples,
+    TimerKind,
+)
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, run_job, safefs, warm
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, run_job, safefs, warm
+from loom_mcp.sandbox.runner import spawn, supervise
 from loom_mcp.worker.guard import findings as guard_findings
 
 Progress = Callable[[str], Awaitable[None]]
@@ -85,6 +93,39 @@ MIN_CORRECTED_S = 1e-8
 def subtract_overhead(times: list[float], overhead: float) -> list[float]:
     """Call times less the bracket's own cost, floored so a noisy short call stays positive."""
     return [max(t - overhead, MIN_CORRECTED_S) for t in times]
+
+
+class IdleWatch:
+    """CPU time the candidate's processes burn while the baseline is being timed.
+
+    An idle arm blocks on its socket. One that keeps processes busy meanwhile (a red-team
+    candidate's DataLoader workers, forked by torch so the audit hook let them be) slows the
+    baseline down and reached a CI low above 1.05 with no faster code. Read from /proc, outside
+    the arm: user + system time of its launcher's tree, reaped children included."""
+
+    BUSY_FRACTION = 0.25  # of the baseline's pass time
+    BUSY_MIN_S = 0.05  # a few clock ticks: /proc counts in 10 ms steps
+    RESCAN_EVERY = 10  # passes between scans for new processes
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.pids: list[int] = []
+        self.passes = 0
+        self.cpu = 0.0
+        self.wall = 0.0
+
+    def cpu_s(self) -> float:
+        if self.passes % self.RESCAN_EVERY == 0:
+            self.pids = [self.root, *isolation.descendants(self.root)]
+        return sum(isolation.cpu_seconds(pid) for pid in self.pids)
+
+    def add(self, cpu: float, wall: float) -> None:
+        self.passes += 1
+        self.cpu += max(cpu, 0.0)
+        self.wall += wall
+
+    def busy(self) -> bool:
+        return self.cpu > max(self.BUSY_MIN_S, self.BUSY_FRACTION * self.wall)
 
 
 # How far the arms' own timings may claim more speed than the trusted timer's brackets of the
@@ -229,6 +270,7 @@ async def benchmark_candidate(
     proof: bool | None = None
     proof_note: str | None = None
     arm_results: dict[str, Any] = {}
+    launchers: dict[str, int] = {}  # role -> pid of its sandbox launcher (host pid namespace)
 
     try:
         async with await anyio.create_unix_listener(sock_path) as listener:
@@ -252,7 +294,7 @@ async def benchmark_candidate(
                 module, class_name = arms_spec[role]
                 cache = code_cache(job_dir, Path(module))
                 slots = [exchange / f"out-{role}"] if role != "proof" else []
-                arm_results[role] = await run_job(JobSpec(
+                arm_spec = JobSpec(
                     argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=job_dir / role,
                     env={**env, **code_cache_env(cache)}, writable=[cache, *slots],
                     visible_devices=visible,
@@ -264,7 +306,11 @@ async def benchmark_candidate(
                              "cases_file": str(cases_file),
                              "socket": str(sock_path if role == "proof" else timer_sock),
                              "token": tokens[role], "device": device, "graph_below_s": GRAPH_BELOW_S},
-                ))
+                )
+                await anyio.to_thread.run_sync(isolation.capabilities)  # probed once
+                launched = spawn(arm_spec)  # on the loop's thread (see spawn)
+                launchers[role] = launched.process.pid
+                arm_results[role] = await supervise(launched)
                 if not startup["done"]:  # it ended before the benchmark started: stop waiting
                     startup["scope"].cancel()
 
@@ -329,7 +375,8 @@ async def benchmark_candidate(
                              benchmark_id, arms_ready, inputs_ready, prep.timeline(began_epoch),
                              time.monotonic() - begun)
                     graph_used, proof, proof_note, proof_applicable = await _run_pairs(
-                        arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say, declared)
+                        arms, shape_meta, samples, gate, timeout_s, clock_sampler, findings, say,
+                        declared, launchers.get("candidate"))
                 except ArmError as exc:
                     failure = LoomError(ErrorCode.BAD_INPUT, f"the {exc.role} arm failed: {exc}")
                 except TimeoutError:
@@ -383,8 +430,8 @@ async def benchmark_candidate(
     if peak:
         peak_flops = peak.flops.get("bf16") or peak.flops.get("fp16") or peak.flops.get("fp32")
     stats = analyze_shapes(shape_samples, gate, peak_bandwidth=peak_bw, peak_flops=peak_flops)
-    timer = "wall_clock" if device == "cpu" else ("hip_events" if peak and peak.vendor == "amd"
-                                                  else "cuda_events")
+    timer: TimerKind = "wall_clock" if device == "cpu" else (
+        "hip_events" if peak and peak.vendor == "amd" else "cuda_events")
     if trusted_geomean is not None and stats.geomean is not None:
         flag_disagreement(trusted_geomean, stats.geomean, findings)
     evidence = BenchmarkEvidence(
@@ -400,7 +447,7 @@ async def benchmark_candidate(
 
 
 async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clock_sampler,
-                     findings: list[Finding], say, declared: set[str]):
+                     findings: list[Finding], say, declared: set[str], candidate_pid: int | None):
     from loom_mcp.bench.stats import paired_stop_reason
 
     graph_used = False
@@ -415,6 +462,7 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         pair = 0
         probes = probes_off = 0  # sampled outputs compared over all of this shape's calls
         record = samples[name]
+        idle = IdleWatch(candidate_pid) if candidate_pid else None
         raw: dict[str, list[float]] = {"baseline": [], "candidate": []}
         overhead: list[float] = []
         while True:
@@ -422,8 +470,19 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
             salt = secrets.randbelow(1 << 30)
             before = clock_sampler() if clock_sampler else None
             order = ["baseline", "candidate"] if pair % 2 == 0 else ["candidate", "baseline"]
-            got = (await arms["timer"].ask({"op": "batch", "order": order, "salt": salt,
-                                            "probe": probe, "empties": EMPTY_CALLS}, timeout_s))
+            got: dict[str, Any] = {"arms": {}}
+            for role in order:
+                # One arm's pass at a time, so the server can see what the idle candidate does
+                # while the baseline is timed.
+                watching = role == "baseline" and idle is not None
+                cpu_before, wall_before = (idle.cpu_s(), time.monotonic()) if watching else (0, 0)
+                part = await arms["timer"].ask({"op": "batch", "order": [role], "salt": salt,
+                                                "probe": probe, "empties": EMPTY_CALLS}, timeout_s)
+                if watching:
+                    idle.add(idle.cpu_s() - cpu_before, time.monotonic() - wall_before)
+                got["arms"].update(part["arms"])
+                got["overhead"] = got.get("overhead", []) + (part.get("overhead") or [])
+                got["late"] = part.get("late", 0)
             after = clock_sampler() if clock_sampler else None
             throttled = bool((before or {}).get("throttled") or (after or {}).get("throttled"))
             base, cand = got["arms"]["baseline"], got["arms"]["candidate"]
@@ -482,6 +541,12 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 break
             if pair % 20 == 0:
                 await say(f"{name}: {pair} pairs, {elapsed:.1f} s")
+        if idle is not None and idle.busy():
+            findings.append(Finding(
+                check="benchmark.busy_while_idle", severity="error",
+                message=f"{name}: the candidate's processes used {idle.cpu:.2f} s of CPU while "
+                        f"the baseline was timed ({idle.wall:.2f} s of its passes): work aimed "
+                        "at the other arm"))
         if shape_disagrees(probes_off, probes) and not mismatch_reported:
             mismatch_reported = True
             findings.append(Finding(

@@ -394,6 +394,20 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0].decode()
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and of its reaped children; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0.0
+    fields = data[data.rfind(b")") + 2 :].split()  # fields[0] is the state (stat field 3)
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLOCK_TICKS
+
+
 def descendants(root: int) -> dict[int, str]:
     """All descendants of `root` (pid -> state letter), from one scan of /proc."""
     children: dict[int, list[int]] = {}

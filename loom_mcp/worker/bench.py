@@ -168,15 +168,15 @@ class Arm:
         return {"outputs": len(outputs)}
 
     def call(self, set_index: int, empty: bool) -> dict:
+        reply: dict[str, Any] = {"outputs": 0}
         if not self.gpu:
             if empty:
-                return {"outputs": 0}
+                return reply
             reply = self._hand_over(self._launch(set_index))
             reply["tampered"] = tampered()
             return reply
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.go)
-            reply: dict[str, Any] = {"outputs": 0}
             if not empty:
                 # The arm's own reading of the same call (see `times`): precise, but only ever
                 # checked against the timer's, never trusted alone.
@@ -247,12 +247,14 @@ def main() -> None:
     def reply(obj: dict) -> None:
         conn.sendall((json.dumps(obj) + "\n").encode())
 
-    violations = lambda: []  # noqa: E731
+    def violations() -> list:
+        return []
+
     if request.get("role") != "baseline":
         # Before the candidate is imported; bound to a local, out of the candidate's reach.
         from loom_mcp.worker import guard as guard_module
 
-        violations = guard_module.install(
+        violations = guard_module.install(  # type: ignore[assignment]
             [request["module"]], watch=[sys.modules[__name__], guard_module]).violations
     try:
         arm = Arm(request)

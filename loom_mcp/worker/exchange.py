@@ -36,7 +36,7 @@ def file_tensor(path: Path, dtype: torch.dtype, shape: list[int], writable: bool
     numel = int(np.prod(shape)) if shape else 1
     nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
     mode = "w+" if create else ("r+" if writable else "r")
-    raw = np.memmap(path, dtype=np.uint8, mode=mode, shape=(nbytes,))
+    raw = np.memmap(str(path), dtype=np.uint8, mode=mode, shape=(nbytes,))  # type: ignore[call-overload]
     with warnings.catch_warnings():
         # torch warns that it cannot honour a read-only array: the mapping itself is read-only,
         # so a write faults instead of reaching the timer's file.

@@ -319,14 +319,15 @@ class Timer:
             own = arm.ask({"op": "times"})["times"][1:] if self.gpu else None
             times = [self._seconds(b) - self.copy_s.get(role, 0.0) for b in brackets]
             overhead += [self._seconds(b) for b in empty_brackets]
-            samples: list | None = []
+            read: list = []
             error = None
             for snap, reply in snapshots:
                 if snap is None:
-                    samples, error = None, str(reply.get("output_error")
-                                               or "the arm's outputs differ in number from setup's")
+                    error = str(reply.get("output_error")
+                                or "the arm's outputs differ in number from setup's")
                     break
-                samples.append([values.cpu().tolist() for values in snap])
+                read.append([values.cpu().tolist() for values in snap])
+            samples = None if error else read
             tampered = sorted({t for r in replies for t in (r.get("tampered") or [])})
             out[role] = {"times": times, "own_times": own, "samples": samples, "error": error,
                          "tampered": tampered}
