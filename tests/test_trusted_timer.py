@@ -25,18 +25,25 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.anyio
-@pytest.mark.slow
-async def test_forged_clock_gains_nothing(workspace):
+async def bench(workspace: Path, candidate: str) -> dict:
     server = build_server(load_config(workspace / "home",
                                       environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
     async with Client(server) as client:
         result = await client.call_tool("benchmark", {
             "task": str(workspace / "redteam" / "task_rmsnorm.py"),
-            "candidate": str(workspace / "redteam" / "attack_forged_clock.py"),
-            "shapes": ["rows8_d64"]})
+            "candidate": str(workspace / "redteam" / candidate), "shapes": ["rows8_d64"]})
     assert result.is_error is False, result.content
-    timed = result.structured_content
+    return result.structured_content
+
+
+def errors(timed: dict) -> set[str]:
+    return {f["check"] for f in timed["findings"] if f["severity"] == "error"}
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_forged_clock_gains_nothing(workspace):
+    timed = await bench(workspace, "attack_forged_clock.py")
     shape = timed["shapes"][0]
     # The same maths as the reference: a rewritten clock made it 1.41x when the arm timed itself.
     assert 0.5 < shape["speedup"] < 1.25, shape
@@ -47,31 +54,13 @@ async def test_forged_clock_gains_nothing(workspace):
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_partial_work_while_timed_is_caught(workspace):
-    server = build_server(load_config(workspace / "home",
-                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
-    async with Client(server) as client:
-        result = await client.call_tool("benchmark", {
-            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
-            "candidate": str(workspace / "redteam" / "cheat_timed_partial.py"),
-            "shapes": ["rows8_d64"]})
-    assert result.is_error is False, result.content
-    errors = {f["check"] for f in result.structured_content["findings"] if f["severity"] == "error"}
-    assert "benchmark.output_mismatch" in errors
+    assert "benchmark.output_mismatch" in errors(await bench(workspace, "cheat_timed_partial.py"))
 
 
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_a_candidate_busy_while_the_baseline_runs_is_caught(workspace):
-    server = build_server(load_config(workspace / "home",
-                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
-    async with Client(server) as client:
-        result = await client.call_tool("benchmark", {
-            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
-            "candidate": str(workspace / "redteam" / "cheat_busy_idle.py"),
-            "shapes": ["rows8_d64"]})
-    assert result.is_error is False, result.content
-    errors = {f["check"] for f in result.structured_content["findings"] if f["severity"] == "error"}
-    assert "benchmark.busy_while_idle" in errors
+    assert "benchmark.busy_while_idle" in errors(await bench(workspace, "cheat_busy_idle.py"))
 
 
 @pytest.mark.anyio

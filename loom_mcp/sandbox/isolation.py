@@ -745,6 +745,11 @@ def _probe_one(features: list[str]) -> dict[str, Any]:
         os.write(w, json.dumps(out).encode())
         os._exit(0)
     os.close(w)
+    return _probe_outcome(r, pid)
+
+
+def _probe_outcome(r: int, pid: int) -> dict[str, Any]:
+    """What a probe child wrote on its pipe, once it has exited."""
     chunks = []
     while chunk := os.read(r, 4096):
         chunks.append(chunk)
@@ -831,15 +836,7 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
             os.write(w, json.dumps({"ok": False, "error": str(exc)}).encode())
         os._exit(0)
     os.close(w)
-    chunks = []
-    while chunk := os.read(r, 4096):
-        chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    try:
-        return json.loads(b"".join(chunks) or b"{}") or {"ok": False, "error": "probe died"}
-    except ValueError:
-        return {"ok": False, "error": "probe died"}
+    return _probe_outcome(r, pid)
 
 
 def _probe_main(view_cfg: dict[str, Any] | None) -> NoReturn:
