@@ -463,6 +463,7 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         probes = probes_off = 0  # sampled outputs compared over all of this shape's calls
         record = samples[name]
         idle = IdleWatch(candidate_pid) if candidate_pid else None
+        late = 0  # calls whose work was done before the timer could queue its end event
         raw: dict[str, list[float]] = {"baseline": [], "candidate": []}
         overhead: list[float] = []
         while True:
@@ -475,19 +476,20 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 # One arm's pass at a time, so the server can see what the idle candidate does
                 # while the baseline is timed.
                 watching = role == "baseline" and idle is not None
-                cpu_before, wall_before = (idle.cpu_s(), time.monotonic()) if watching else (0, 0)
+                if watching:  # a /proc scan: off the event loop
+                    cpu_before = await anyio.to_thread.run_sync(idle.cpu_s)
+                    wall_before = time.monotonic()
                 part = await arms["timer"].ask({"op": "batch", "order": [role], "salt": salt,
                                                 "probe": probe, "empties": EMPTY_CALLS}, timeout_s)
                 if watching:
-                    idle.add(idle.cpu_s() - cpu_before, time.monotonic() - wall_before)
+                    wall = time.monotonic() - wall_before
+                    idle.add(await anyio.to_thread.run_sync(idle.cpu_s) - cpu_before, wall)
                 got["arms"].update(part["arms"])
                 got["overhead"] = got.get("overhead", []) + (part.get("overhead") or [])
-                got["late"] = part.get("late", 0)
+                late = part.get("late", 0)
             after = clock_sampler() if clock_sampler else None
             throttled = bool((before or {}).get("throttled") or (after or {}).get("throttled"))
             base, cand = got["arms"]["baseline"], got["arms"]["candidate"]
-            if pair == 0:
-                log.debug("benchmark %s: first batch %s", name, json.dumps(got)[:1500])
             # Element i of both arms timed the same input set with the same content: a pair.
             raw["baseline"].extend(base["times"])
             raw["candidate"].extend(cand["times"])
@@ -506,7 +508,6 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 record["trusted_a"], record["trusted_b"] = trusted_a, trusted_b
             else:
                 record["a"], record["b"] = trusted_a, trusted_b
-            record["late"] = got.get("late", 0)
             for role in ("baseline", "candidate"):
                 if got["arms"][role].get("tampered") and role not in tamper_reported:
                     tamper_reported.add(role)
@@ -554,8 +555,9 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 message=f"{name}: while being timed {probes_off} of {probes} sampled outputs "
                         "differed from the baseline's (more than a tenth; honest only when "
                         "validated?)"))
-        log.info("benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s",
-                 name, started - setup_started, pair, len(record["a"]), elapsed, stop)
+        log.info("benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s, "
+                 "%d late calls", name, started - setup_started, pair, len(record["a"]), elapsed,
+                 stop, late)
         await say(f"{name}: {pair} pairs done")
 
     proof, note = None, "proof of execution needs a GPU profiler (CPU run)"

@@ -296,22 +296,25 @@ def _build_root(view: dict[str, Any]) -> list[str]:
     except BaseException:
         # Back to the host's root: the half-built one goes with the tmpfs it lives on.
         try:
-            os.chdir(_OLD)
-            _pivot_root(".", ".")
-            _umount(".")
-            os.chdir(cwd)
+            _pivot_into(_OLD, cwd)
         except OSError as exc:
             raise _Broken(f"cannot restore the root after a failed view: {exc}") from exc
         raise
     # /newroot becomes / (the base tmpfs, stacked on top by pivot_root, is dropped).
     try:
-        os.chdir(_NEW)
-        _pivot_root(".", ".")
-        _umount(".")
-        os.chdir(cwd)
+        _pivot_into(_NEW, cwd)
     except OSError as exc:
         raise _Broken(f"cannot enter the new root: {exc}") from exc
     return problems
+
+
+def _pivot_into(directory: str, cwd: str) -> None:
+    """Make `directory` the root (the root it was stacked on is unmounted), then go back to
+    `cwd` inside it."""
+    os.chdir(directory)
+    _pivot_root(".", ".")
+    _umount(".")
+    os.chdir(cwd)
 
 
 def _write(path: str, text: str) -> None:
