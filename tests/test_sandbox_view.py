@@ -274,6 +274,40 @@ def test_the_plan_never_binds_the_host_root_home_or_loom_home(
         view.job_view(job_dir=tmp_path / "job", writable=[Path("/")])
 
 
+@needs_view
+@pytest.mark.anyio
+async def test_a_compiler_named_by_cc_runs_with_its_whole_toolchain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton builds its launcher with $CC. A toolchain outside PATH (/opt/gcc/bin/gcc on the
+    H200 machine) is in the job's root with its prefix: the driver runs a helper from its own
+    libexec/, as gcc runs cc1."""
+    prefix = tmp_path / "gcc-toolchain"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "libexec").mkdir()
+    helper = prefix / "libexec" / "cc1"
+    helper.write_text("#!/bin/sh\necho compiled-by-cc1\n")
+    helper.chmod(0o755)
+    driver = prefix / "bin" / "gcc"
+    driver.write_text('#!/bin/sh\nexec "$(dirname "$0")/../libexec/cc1"\n')
+    driver.chmod(0o755)
+    monkeypatch.setenv("CC", f"{driver} -m64")
+    view._system_plan.cache_clear()
+    try:
+        code = """
+import os, subprocess
+from loom_mcp.worker.protocol import send_result
+cc = os.environ["CC"].split()[0]
+out = subprocess.run([cc], capture_output=True, text=True)
+send_result({"stdout": out.stdout.strip(), "rc": out.returncode})
+"""
+        res = await run_job(JobSpec(argv=[PY, "-c", code], job_dir=tmp_path / "job",
+                                    env={"CC": os.environ["CC"]}, timeout_s=60))
+    finally:
+        view._system_plan.cache_clear()
+    assert res.ok, res.stderr_tail
+    assert res.result == {"stdout": "compiled-by-cc1", "rc": 0}
+
+
 # ----------------------------------------------------------------------------- memory
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from loom_mcp.bench.runner import OWN_TIMING_ALLOWANCE, flag_disagreement, subtract_overhead
+from loom_mcp.bench.runner import (
+    OWN_TIMING_ALLOWANCE,
+    flag_disagreement,
+    subtract_overhead,
+    trusted_pairs,
+)
 from loom_mcp.config import load_config
 from loom_mcp.judge_models import RatioCI
 from loom_mcp.server import build_server
@@ -102,3 +107,14 @@ def test_own_clocks_claiming_more_than_the_trusted_brackets_are_flagged():
     flag_disagreement(trusted, ci(claimed, claimed - 0.01, claimed + 0.01), findings)
     assert [f.check for f in findings] == ["benchmark.timing_disagreement"]
     assert findings[0].severity == "error"
+
+
+def test_late_brackets_leave_the_trusted_side_unless_most_are_late() -> None:
+    """A late bracket (the GPU idled waiting for the arm's launches) timed launch latency: its
+    pair is dropped, so an honest candidate is not flagged for it. An arm that makes most of
+    its calls late cannot empty the trusted side that way: then every pair counts."""
+    base, cand = [1.0, 1.0, 1.0, 1.0], [1.0, 9.0, 1.0, 1.0]
+    assert trusted_pairs(base, cand, [False] * 4, [False, True, False, False]) == [
+        (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]
+    everything = trusted_pairs(base, cand, [False] * 4, [True, True, True, False])
+    assert everything == list(zip(base, cand))

@@ -229,6 +229,8 @@ async def main() -> int:
         same = write(work / "same_as_baseline.py", SAME_AS_BASELINE)
         verdicts: dict[str, list[str]] = {"a_vs_a": [], "five_pct_less": []}
         reasons: dict[str, list[list[str]]] = {"a_vs_a": [], "five_pct_less": []}
+        # The sentences behind each non-speedup code: what an honest candidate was blamed for.
+        messages: dict[str, list[list[str]]] = {"a_vs_a": [], "five_pct_less": []}
         speedups: dict[str, list[float]] = {"a_vs_a": [], "five_pct_less": []}
         validations = {}
         for label, cand in (("a_vs_a", same), ("five_pct_less", less)):
@@ -241,14 +243,20 @@ async def main() -> int:
                 verdict = decide(CompileEvidence(ok=True), validations[label], evidence, config.gate)
                 verdicts[label].append(verdict.verdict)
                 reasons[label].append(verdict.reason_codes)
+                messages[label].append([r for r, c in zip(verdict.reasons, verdict.reason_codes)
+                                        if not c.startswith("speedup.")] + verdict.warnings)
                 speedups[label].append(evidence.geomean.estimate)
             results["power"] = {k: {"verdicts": v, "accepts": v.count("accept"),
-                                    "speedups": speedups[k], "reason_codes": reasons[k]}
+                                    "speedups": speedups[k], "reason_codes": reasons[k],
+                                    "messages": messages[k]}
                                 for k, v in verdicts.items()}
             save()
             print(f"power try {i + 1}: A/A {verdicts['a_vs_a'][-1]} ({speedups['a_vs_a'][-1]:.4f}) "
                   f"{reasons['a_vs_a'][-1]}, 5% {verdicts['five_pct_less'][-1]} "
                   f"({speedups['five_pct_less'][-1]:.4f}) {reasons['five_pct_less'][-1]}", flush=True)
+            for label in messages:
+                for message in messages[label][-1]:
+                    print(f"  {label}: {message}", flush=True)
 
 
     if "turnaround" in only:

@@ -146,6 +146,19 @@ def trusted_geomean_of(shape_meta, samples, gate: GateConfig) -> RatioCI | None:
     return analyze_shapes(trusted, gate).geomean
 
 
+def trusted_pairs(baseline: list[float], candidate: list[float], baseline_late: list[bool],
+                  candidate_late: list[bool]) -> list[tuple[float, float]]:
+    """The bracket pairs the trusted side is computed from. A late bracket (the arm's work was
+    done before the timer queued its end event, so it also timed launch latency) drops its
+    pair. An arm late on purpose (replying only once its work is done) must not empty the
+    trusted side: when fewer than half the pairs are on time, every pair counts, and a late
+    bracket only makes its own arm look slower."""
+    both = list(zip(baseline, candidate, strict=True))
+    late = [a or b for a, b in zip(baseline_late, candidate_late, strict=True)]
+    kept = [pair for pair, was_late in zip(both, late, strict=True) if not was_late]
+    return kept if len(kept) * 2 >= len(both) else both
+
+
 def flag_disagreement(trusted: RatioCI, own: RatioCI, findings: list[Finding]) -> None:
     """An error finding (the gate rejects) when the arms' own clocks claim a speedup the trusted
     timer's brackets cannot support: a clock rewritten inside the candidate's process."""
@@ -465,6 +478,7 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
         idle = IdleWatch(candidate_pid) if candidate_pid else None
         late = 0  # calls whose work was done before the timer could queue its end event
         raw: dict[str, list[float]] = {"baseline": [], "candidate": []}
+        lateness: dict[str, list[bool]] = {"baseline": [], "candidate": []}
         overhead: list[float] = []
         while True:
             probe = [secrets.randbelow(1 << 30) for _ in range(32)]
@@ -493,13 +507,17 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
             # Element i of both arms timed the same input set with the same content: a pair.
             raw["baseline"].extend(base["times"])
             raw["candidate"].extend(cand["times"])
+            for role, arm_part in (("baseline", base), ("candidate", cand)):
+                lateness[role].extend(arm_part.get("late") or [False] * len(arm_part["times"]))
             overhead.extend(got.get("overhead") or [])
             record["throttled"].extend([throttled] * len(base["times"]))
             # The timer's brackets hold its own cost (a context switch each way on a GPU, a
             # socket round trip on a CPU); the baseline's empty calls measure it.
             record["overhead"] = statistics.median(overhead) if overhead else 0.0
-            trusted_a = subtract_overhead(raw["baseline"], record["overhead"])
-            trusted_b = subtract_overhead(raw["candidate"], record["overhead"])
+            kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"],
+                                 lateness["candidate"])
+            trusted_a = subtract_overhead([a for a, _ in kept], record["overhead"])
+            trusted_b = subtract_overhead([b for _, b in kept], record["overhead"])
             if base.get("own_times") is not None and cand.get("own_times") is not None:
                 # GPU: the arms' own events are the precise samples; the timer's brackets of the
                 # same calls are what they are checked against (see check_own_timing).

@@ -71,6 +71,11 @@ TOOLS = ("nvcc", "hipcc", "ptxas", "cuobjdump", "nvdisasm", "ncu", "nsys", "rocp
          "ninja", "cc", "gcc", "c++", "g++", "clang", "ld", "as", "ldconfig", "git")
 TOOLKIT_GLOBS = ("/usr/local/cuda*", "/opt/rocm*", "/opt/cuda*")
 TOOLKIT_ENV = ("CUDA_HOME", "CUDA_PATH", "ROCM_PATH", "ROCM_HOME", "HIP_PATH")
+# Compilers named by the environment (Triton builds its launcher with $CC, torch's
+# cpp_extension uses $CXX): a toolchain outside PATH, such as /opt/gcc/bin/gcc.
+TOOL_ENV = ("CC", "CXX", "NVCC", "CUDACXX", "CUDAHOSTCXX", "HIPCC")
+# Trees under which a tool's own directory is bound, never their prefix as a whole.
+_SHARED_PREFIXES = ("/", "/usr", "/usr/local", "/opt", "/bin", "/sbin", "/usr/bin", "/usr/sbin")
 
 # Credentials under a home directory, masked when a trusted job's allowed root contains it.
 HOME_SECRETS = (
@@ -234,22 +239,30 @@ def _never() -> set[str]:
 
 def _tool_dirs() -> list[str]:
     home = os.path.realpath(Path.home())
+    found: list[tuple[str, str]] = [(tool, shutil.which(tool) or "") for tool in TOOLS]
+    for name in TOOL_ENV:
+        # "$CC" may carry flags ("gcc -m64"): its first word is the program.
+        words = os.environ.get(name, "").split()
+        if words:
+            found.append((os.path.basename(words[0]), shutil.which(words[0]) or ""))
     dirs = []
-    for tool in TOOLS:
-        found = shutil.which(tool)
-        if not found:
+    for tool, where in found:
+        if not where:
             continue
-        real = Path(os.path.realpath(found))
-        root = real.parent
-        if tool in ("nsys", "ncu"):
-            root = root.parent  # .../nsight-systems-<version>/target-linux-x64/nsys
-        elif root.name == "bin" and tool in ("nvcc", "hipcc", "ptxas", "cuobjdump", "nvdisasm",
-                                             "rocprofv3", "rocprof"):
-            root = root.parent  # the toolkit: its include/, lib64/, nvvm/ come with it
-        if _under(str(root), home):
-            root = real.parent  # under $HOME bind the tool's own directory, no more
-        dirs.append(str(root))
-    return dirs
+        # Both the name as found and its real path: a PATH entry may be a link farm.
+        for path in dict.fromkeys((os.path.abspath(where), os.path.realpath(where))):
+            real = Path(path)
+            root = real.parent
+            if tool in ("nsys", "ncu"):
+                root = root.parent  # .../nsight-systems-<version>/target-linux-x64/nsys
+            elif root.name == "bin" and str(root.parent) not in _SHARED_PREFIXES:
+                # A toolchain of its own (/usr/local/cuda, /opt/gcc, a conda env): its lib/,
+                # libexec/ and include/ come with it (gcc runs cc1 from libexec).
+                root = root.parent
+            if _under(str(root), home):
+                root = real.parent  # under $HOME bind the tool's own directory, no more
+            dirs.append(str(root))
+    return list(dict.fromkeys(dirs))
 
 
 @functools.cache

@@ -62,6 +62,7 @@ OUTPUT_CAP_PER_INPUT = 8
 # was queued, i.e. the host round trip outran the hold and the bracket timed launch latency.
 HOLD_CYCLES = 400_000
 HOLD_CYCLES_MAX = 16_000_000
+HOLD_DECAY = 0.9
 
 
 def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
@@ -257,8 +258,15 @@ class Timer:
         reply = arm.ask({"op": "call", "set": set_index, "empty": empty})
         done = self.done[role]
         if done.query():
+            # The GPU idled between go and the arm's work: this bracket timed launch latency,
+            # so it is dropped, and the hold doubles.
             self.late += 1
             self.hold = min(self.hold * 2, HOLD_CYCLES_MAX)
+            reply = {**reply, "late": True}
+        else:
+            # Back towards the floor on calls that were on time, so one slow round trip does
+            # not make every later call sleep milliseconds.
+            self.hold = max(HOLD_CYCLES, int(self.hold * HOLD_DECAY))
         torch.cuda.current_stream().wait_event(done)
         end.record()
         # Read on this stream before the next call can be released: what this call produced.
@@ -318,6 +326,8 @@ class Timer:
             # server to check one against the other.
             own = arm.ask({"op": "times"})["times"][1:] if self.gpu else None
             times = [self._seconds(b) - self.copy_s.get(role, 0.0) for b in brackets]
+            # Late brackets timed launch latency too: the server leaves their pairs out.
+            late = [bool(reply.get("late")) for reply in replies]
             overhead += [self._seconds(b) for b in empty_brackets]
             read: list = []
             error = None
@@ -329,7 +339,7 @@ class Timer:
                 read.append([values.cpu().tolist() for values in snap])
             samples = None if error else read
             tampered = sorted({t for r in replies for t in (r.get("tampered") or [])})
-            out[role] = {"times": times, "own_times": own, "samples": samples, "error": error,
+            out[role] = {"times": times, "late": late, "own_times": own, "samples": samples, "error": error,
                          "tampered": tampered}
         return {"arms": out, "overhead": overhead, "late": self.late, "hold_cycles": self.hold}
 
