@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -36,6 +37,7 @@ def start_campaign(
     goal: str,
     task: str | None = None,
     budgets: Budgets | None = None,
+    task_globals: dict[str, Any] | None = None,
 ) -> StartCampaignResult:
     import git  # gitpython: imported here so `--help` and `--version` stay fast
 
@@ -69,6 +71,13 @@ def start_campaign(
         if not resolved.is_file():
             raise LoomError(ErrorCode.NOT_FOUND, f"task file {resolved} does not exist")
         task_path = str(resolved)
+    if task_globals:
+        if task_path is None:
+            raise LoomError(ErrorCode.BAD_INPUT, "task_globals override a task's module-level names; "
+                            "name the task too")
+        from loom_mcp.judge import checked_task_globals
+
+        task_globals = checked_task_globals(Path(task_path), task_globals)
 
     if not goal.strip():
         raise LoomError(ErrorCode.BAD_INPUT, "goal must say what to optimize, e.g. 'decode tokens/s'")
@@ -89,6 +98,7 @@ def start_campaign(
             "branch": branch,
             "config_fingerprint": fingerprint,
             "budgets_json": orjson.dumps(effective.model_dump()).decode(),
+            "task_globals_json": orjson.dumps(task_globals).decode() if task_globals else None,
         }
     )
     dirty = repository.is_dirty(untracked_files=False)
@@ -106,7 +116,22 @@ def start_campaign(
         branch=branch,
         goal=goal.strip(),
         task=task_path,
+        task_globals=task_globals or {},
         budgets=effective,
         config_fingerprint=fingerprint,
         next_step=next_step,
     )
+
+
+def campaign_task_globals(campaign: dict[str, Any]) -> dict[str, Any]:
+    """The task_globals a campaign was started with ({} when none)."""
+    raw = campaign.get("task_globals_json")
+    return orjson.loads(raw) if raw else {}
+
+
+def resolve_task_globals(campaign: dict[str, Any] | None, given: dict[str, Any] | None
+                         ) -> dict[str, Any] | None:
+    """A call's task_globals: the campaign's when the call names none."""
+    if given or campaign is None:
+        return given
+    return campaign_task_globals(campaign) or None

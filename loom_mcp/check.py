@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import anyio
@@ -11,7 +12,7 @@ from loom_mcp.errors import LoomError
 
 
 async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
-                 shapes: list[str] | None) -> dict:
+                 shapes: list[str] | None, task_globals: dict | None = None) -> dict:
     from loom_mcp import judge
     from loom_mcp.gate import decide
     from loom_mcp.judge_models import CompileEvidence
@@ -20,13 +21,14 @@ async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | 
     services = open_services(config)
     validation, evidence, _ = await judge.run_validation(
         config, services.ledger, services.artifacts, task=task, candidate=candidate, seeds=None,
-        shapes=shapes, campaign_id=None, progress=None)
-    out: dict = {"validation": validation.model_dump()}
+        shapes=shapes, campaign_id=None, progress=None, task_globals=task_globals)
+    out: dict = {"validation": validation.model_dump(), "task_globals": task_globals or {}}
     bench_evidence = None
     if validation.passed:
         bench, bench_evidence, findings, _ = await judge.run_benchmark(
             config, services.ledger, services.artifacts, task=task, candidate=candidate,
-            baseline=baseline, shapes=shapes, campaign_id=None, progress=None)
+            baseline=baseline, shapes=shapes, campaign_id=None, progress=None,
+            task_globals=task_globals)
         out["benchmark"] = bench.model_dump()
     verdict = decide(CompileEvidence(ok=True), evidence, bench_evidence, config.gate)
     out["verdict"] = verdict.model_dump()
@@ -34,11 +36,17 @@ async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | 
 
 
 def run_check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
-              shapes: list[str] | None) -> int:
+              shapes: list[str] | None, assignments: list[str] | None = None) -> int:
     import orjson
 
+    from loom_mcp.validate.taskfile import parse_task_globals
+
+    # A shell's relative paths mean its working directory (the server refuses relative paths).
+    task, candidate = os.path.abspath(task), os.path.abspath(candidate)
+    baseline = os.path.abspath(baseline) if baseline else None
     try:
-        result = anyio.run(_check, config, task, candidate, baseline, shapes)
+        task_globals = parse_task_globals(assignments or [])
+        result = anyio.run(_check, config, task, candidate, baseline, shapes, task_globals)
     except LoomError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--candidate", required=True)
     check.add_argument("--baseline")
     check.add_argument("--shapes", help="comma-separated shape names")
+    check.add_argument("--set", dest="task_globals", action="append", default=[], metavar="NAME=VALUE",
+                       help="override a module-level name of the task (batch_size=2); repeatable")
     add_install_parser(sub)
     return parser
 
@@ -146,7 +148,7 @@ def _main(argv: list[str] | None = None) -> int:
         from loom_mcp.check import run_check
 
         return run_check(config, args.task, args.candidate, args.baseline,
-                         args.shapes.split(",") if args.shapes else None)
+                         args.shapes.split(",") if args.shapes else None, args.task_globals)
 
     if args.http:
         return serve_http(config, args.host, args.port, args.allow_remote)

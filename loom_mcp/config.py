@@ -160,6 +160,11 @@ class LoomConfig(BaseModel):
         if len(text) > 4096 or any(len(part) > 255 for part in Path(text).parts):
             raise LoomError(ErrorCode.BAD_INPUT, f"{what} path is longer than the file system "
                             "allows (4096 bytes, 255 a component)")
+        if not path.expanduser().is_absolute():
+            # Against the server's working directory it would name some other file: refuse.
+            raise LoomError(ErrorCode.BAD_INPUT, f"{what} {text[:300]!r} is a relative path; give an "
+                            "absolute path (tools that take campaign_id resolve relative paths against "
+                            "the campaign's repository)")
         try:
             resolved = path.expanduser().resolve()
         except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable component

@@ -53,6 +53,18 @@ def write_config(home: Path, workdir: Path, cpu_only: bool) -> None:
     (home / "loom.toml").write_text("\n".join(lines) + "\n")
 
 
+def wall_clock_notice(home: Path) -> str | None:
+    """A plain sentence when the demo's own loom.toml lets wall-clock timings be accepted, so
+    nobody takes the demo's CPU accept for what the default policy would do."""
+    from loom_mcp.config import CONFIG_FILE, load_config
+
+    if not load_config(home, environ={}).gate.accept_wall_clock:
+        return None
+    return (f"NOTE: this demo's own {home / CONFIG_FILE} sets [gate] accept_wall_clock = true, so "
+            "CPU wall-clock timings can be accepted here. That is a human's choice made for the "
+            "demo only: under the default policy a wall-clock result is needs_review, never accept.")
+
+
 def _short(data: dict[str, Any], keys: list[str]) -> str:
     return ", ".join(f"{k}={data.get(k)}" for k in keys)
 
@@ -70,7 +82,10 @@ def server_env(home: Path) -> dict[str, str]:
 async def drive(workdir: Path, home: Path) -> int:
     from mcp import Client, StdioServerParameters
 
+    from loom_mcp.report.campaign import clip_words
+
     repo = make_target_repo(workdir)
+    notice = wall_clock_notice(home)
     params = StdioServerParameters(command=sys.executable, args=["-m", "loom_mcp.cli", "--stdio", "--home", str(home)],
                                    env=server_env(home))
     started = time.monotonic()
@@ -137,13 +152,16 @@ async def drive(workdir: Path, home: Path) -> int:
         bad = await call(client, "submit_candidate", {"campaign_id": cid, "task": task, "candidate": cheat})
         _say(f"    verdict: {bad['verdict']}")
         for reason in bad["reasons"][:3]:
-            _say(f"      - {reason[:160]}")
+            _say(f"      - {clip_words(reason, 160)}")
 
         _say("[8/9] submit_candidate: the real candidate")
         good = await call(client, "submit_candidate", {"campaign_id": cid, "task": task, "candidate": candidate})
         _say(f"    verdict: {good['verdict']}" + (f", commit {good['commit'][:12]} on {good['branch']}" if good.get("commit") else ""))
+        if notice and good["verdict"] == "accept" and bench.get("timer") == "wall_clock":
+            _say("    accepted on CPU wall-clock timing only because this demo's loom.toml allows "
+                 "it (accept_wall_clock = true); the default policy would say needs_review")
         for reason in good["reasons"][:3]:
-            _say(f"      - {reason[:160]}")
+            _say(f"      - {clip_words(reason, 160)}")
 
         _say("[9/9] campaign_report")
         report = await call(client, "campaign_report", {"campaign_id": cid})
@@ -154,7 +172,7 @@ async def drive(workdir: Path, home: Path) -> int:
     _say(f"\ndone in {time.monotonic() - started:.0f} s; largest tool result {max(sizes.values())} bytes")
     ok = bad["verdict"] != "accept" and good["verdict"] in ("accept", "needs_review")
     _say(json.dumps({"cheat": bad["verdict"], "candidate": good["verdict"], "report": report["files"].get("markdown"),
-                     "largest_result_bytes": sizes}))
+                     "wall_clock_accepts_allowed": notice is not None, "largest_result_bytes": sizes}))
     return 0 if ok else 1
 
 
@@ -170,6 +188,9 @@ def run_demo(workdir: Path | None = None) -> int:
     cpu_only = not _has_gpu()
     write_config(home, base, cpu_only)
     _say(f"loom-mcp demo in {base}" + (" (CPU only)" if cpu_only else ""))
+    notice = wall_clock_notice(home)
+    if notice:
+        _say(notice)
     code = anyio.run(drive, base, home)
     _say(f"(files kept in {base})")
     return code

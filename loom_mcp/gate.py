@@ -105,7 +105,7 @@ def _judge_validation(
     for f in validation.findings:
         if f.severity == "error":
             where = f" at {f.where}" if f.where else ""
-            out.add("validation.static_error", f"{f.check}{where}: {f.message}")
+            out.add(finding_reason_code(f.check), f"{f.check}{where}: {f.message}")
             ok = False
         else:
             where = f" at {f.where}" if f.where else ""
@@ -139,6 +139,32 @@ def _judge_validation(
             )
             ok = False
     return ok
+
+
+# Validation finding checks (validate/runner.py, static_checks.py, the sandbox guard) by the
+# reason code that says what went wrong; a check not named here is a rule broken while running.
+_FINDING_CODES: dict[str, ReasonCode] = {
+    "validation.mismatch": "validation.mismatch",
+    "validation.shape": "validation.mismatch",
+    "validation.dtype": "validation.mismatch",
+    "validation.nan_inf": "validation.nan_parity",
+    "validation.crash": "validation.runtime_error",
+    "validation.import": "validation.runtime_error",
+    "validation.exception": "validation.runtime_error",
+    "validation.outputs": "validation.mismatch",  # mostly: a different number of outputs
+    "validation.output_type": "validation.misbehaved",
+}
+
+
+def finding_reason_code(check: str) -> ReasonCode:
+    """The reason code of an error-severity validation finding, by its check name."""
+    if check in _FINDING_CODES:
+        return _FINDING_CODES[check]
+    if check.startswith("static."):
+        return "validation.static_error"
+    if check.startswith("task."):
+        return "validation.task_error"
+    return "validation.misbehaved"
 
 
 def _case_failure(case: ValidationCase) -> str:
@@ -266,7 +292,8 @@ def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Rea
     elif not config.accept_wall_clock:
         out.add(
             "review.wall_clock",
-            "Timed by host wall clock, not device events; a human should confirm on a GPU.",
+            "Timed by host wall clock, not device events, and the policy requires device timing "
+            "([gate] accept_wall_clock = false); a human should confirm on a GPU.",
         )
     timed = sum(s.baseline.n + s.candidate.n for s in benchmark.shapes)
     dropped = benchmark.throttled_samples_dropped
@@ -291,6 +318,42 @@ def _judge_coverage(
             f"Benchmark {benchmark.benchmark_id} did not time validated shape(s) "
             f"{', '.join(untimed[:5])}{' ...' if len(untimed) > 5 else ''}.",
         )
+
+
+def benchmark_reasons(
+    benchmark: BenchmarkEvidence, config: GateConfig
+) -> list[tuple[ReasonCode, str]]:
+    """What the gate would hold against this benchmark on its own: the same rules `decide`
+    applies, rejecting reasons first, then review concerns. Empty: it would clear the bar."""
+    out = _Reasons()
+    _judge_benchmark(benchmark, config, out)
+    return out.ordered()
+
+
+_REVIEW_PHRASES: dict[str, str] = {
+    "review.below_floor": "a time below the physical floor (bytes / peak bandwidth or FLOPs / "
+    "peak rate)",
+    "review.implausible_speedup": "a speedup above max_plausible_speedup",
+    "review.proof_failed": "the candidate's own kernels were not seen in the profiler trace",
+    "review.proof_unknown": "it was not established that the candidate's own kernels ran",
+    "review.wall_clock": "timed by host wall clock, not device events",
+    "review.throttled": "the device throttled through most of the run",
+}
+
+
+def review_explanation(reason_codes: list[str], config_file: str = "loom.toml") -> str:
+    """Why a result needs review, in words naming the actual reasons. When wall-clock timing is
+    the only one, also how the policy could allow it: a human's decision in loom.toml."""
+    review = list(dict.fromkeys(c for c in reason_codes if is_review_code(c)))
+    if review == ["review.wall_clock"]:
+        return (
+            "a human must look at this result: it was timed by host wall clock, not device "
+            "events, and the policy requires device timing. Confirm it on a GPU; or a human may "
+            f"allow wall-clock accepts with `[gate] accept_wall_clock = true` in {config_file} "
+            "(their decision, not the agent's)"
+        )
+    phrases = [_REVIEW_PHRASES.get(c, c) for c in review] or ["a review concern"]
+    return f"a human must look at this result: {'; '.join(phrases)}"
 
 
 def decide(

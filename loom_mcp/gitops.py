@@ -504,6 +504,24 @@ def _entries_of(change: FrozenChange) -> dict[str, _Frozen | None]:
     return out
 
 
+def _refuse_nested_repositories(info: _Repo, base: str, rels: list[str]) -> None:
+    """[BAD_INPUT] for a path inside a submodule or another repository nested in this one: its
+    files belong to that repository, and a commit here could only record a pointer to it."""
+    ancestors = sorted({"/".join(PurePosixPath(rel).parts[:i]) for rel in rels
+                        for i in range(1, len(PurePosixPath(rel).parts))})
+    gitlinks = {a for a, (mode, _) in _ls_tree(info.top, base, ancestors).items() if mode == _MODE_GITLINK}
+    nested = gitlinks | {a for a in ancestors if os.path.lexists(info.top / a / ".git")}
+    for rel in rels:
+        inside = [a for a in nested if rel.startswith(a + "/")]
+        if inside:
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"{rel!r} is inside {min(inside)!r}, a git submodule or nested repository: a campaign "
+                "commits to its own repository only; put the candidate in the campaign repository "
+                "(outside the submodule), or start a campaign on the submodule's repository",
+            )
+
+
 def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> FrozenChange:
     """Snapshot the change between `base_commit` and the working tree, reading file bytes now.
 
@@ -521,6 +539,8 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
         else _changed_paths(info, base)
     )
     base_tree = _ls_tree(info.top, base, rels)
+    if explicit:
+        _refuse_nested_repositories(info, base, rels)
     filemode = _config_bool(info.top, "core.filemode", default=True)
 
     states: dict[str, _Frozen | None] = {}

@@ -24,11 +24,14 @@ from loom_mcp.config import LoomConfig
 from loom_mcp.devices import probe_devices
 from loom_mcp.devices.toolchain import probe_toolchain
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.gate import benchmark_reasons, review_explanation
 from loom_mcp.judge_models import (
     BenchmarkEvidence,
     Finding,
     GateConfig,
+    ValidationCase,
     ValidationEvidence,
+    is_review_code,
 )
 from loom_mcp.models import (
     BenchmarkResult,
@@ -43,7 +46,7 @@ from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DeviceLease
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
-from loom_mcp.validate.taskfile import parse_task_source
+from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -81,10 +84,11 @@ async def pick_target(config: LoomConfig) -> Target:
 
 
 def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candidate: Path,
-                         seeds: int, shapes: list[str] | None) -> str:
-    """Everything a validation verdict depends on: the two files' bytes, the seeds and shapes,
-    the device (by identity, not just model) and driver, the software, and the gate policy.
-    Evidence is reused only when all of it is equal."""
+                         seeds: int, shapes: list[str] | None,
+                         task_globals: dict[str, Any] | None = None) -> str:
+    """Everything a validation verdict depends on: the two files' bytes, the task's global
+    overrides, the seeds and shapes, the device (by identity, not just model) and driver, the
+    software, and the gate policy. Evidence is reused only when all of it is equal."""
     device = target.device
     material = {
         "task": hashlib.sha256(safefs.read_resolved_bytes(task)).hexdigest(),
@@ -95,17 +99,21 @@ def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candida
         "software": target.software,
         "policy": config.fingerprint(),
     }
+    if task_globals:  # absent when none, so keys of runs without overrides stay as they were
+        material["task_globals"] = task_globals
     return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 async def reusable_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *,
-                              task: Path, candidate: Path) -> tuple[str, ValidationEvidence] | None:
+                              task: Path, candidate: Path, task_globals: dict[str, Any] | None = None
+                              ) -> tuple[str, ValidationEvidence] | None:
     """A full validation (policy seeds, every shape) already run on these exact bytes here.
 
     Only when every such run passed: each run draws fresh secret seeds, so a candidate that
     fails some of them must not be able to fish for one lucky pass and submit on it."""
     target = await pick_target(config)
-    key = validation_reuse_key(config, target, task, candidate, config.gate.seeds, None)
+    key = validation_reuse_key(config, target, task, candidate, config.gate.seeds, None,
+                               checked_task_globals(task, task_globals))
     rows = ledger.runs_with_key("validation", key)
     if not rows or not all(orjson.loads(r["summary_json"]).get("passed") for r in rows):
         return None
@@ -146,6 +154,13 @@ def check_file(config: LoomConfig, path: str, what: str) -> Path:
         raise
 
 
+def checked_task_globals(task_path: Path, task_globals: dict[str, Any] | None) -> dict[str, Any]:
+    """The call's task_globals checked against the task file's module-level names (sorted)."""
+    if not task_globals:
+        return {}
+    return check_task_globals(safefs.read_resolved_text(task_path), str(task_path), task_globals)
+
+
 def _finding(f: Finding) -> CheckFinding:
     return CheckFinding(check=f.check, severity=f.severity, message=f.message, where=f.where)
 
@@ -183,9 +198,11 @@ class Leased:
 
 async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source: str,
                          language: Language, target: str | None, flags: list[str], task: str | None,
-                         progress: Progress | None) -> tuple[CompileResult, float]:
+                         progress: Progress | None, task_globals: dict[str, Any] | None = None
+                         ) -> tuple[CompileResult, float]:
     src = check_file(config, source, "source")
     task_path = check_file(config, task, "task") if task else None
+    task_globals = checked_task_globals(task_path, task_globals) if task_path else None
     toolchain = await probe_toolchain(config.cache_dir / "toolchain.json")
 
     async def run(device: str, target: str | None) -> CompileResult:
@@ -193,7 +210,7 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
             source=src, language=language, target=target, flags=flags, task=task_path, device=device,
             cache_dir=config.cache_dir, artifacts=artifacts,
             job_dir=config.jobs_dir / new_run_id("compile"), timeout_s=config.job_timeout_s,
-            toolchain=toolchain, progress=progress)
+            toolchain=toolchain, progress=progress, task_globals=task_globals)
 
     if language != "triton":  # nvcc/hipcc compile for a named target without touching a device
         return await run("cpu", target), 0.0
@@ -211,12 +228,21 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
 def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, seconds: float
                          ) -> RunValidationResult:
     failing = [c for c in evidence.cases if not c.passed]
-    passing = [c for c in evidence.cases if c.passed and c.max_rel_err is not None]
-    worst = max(passing, key=lambda c: c.max_rel_err or 0.0, default=None)
+    # The worst failing case when any fails (a passing one would read as "all is well"):
+    # the largest relative error among them, else the first (a shape or type failure has none).
+    worst: ValidationCase | None
+    if failing:
+        measured = [c for c in failing if c.max_rel_err is not None]
+        worst = max(measured, key=lambda c: c.max_rel_err or 0.0) if measured else failing[0]
+    else:
+        passing = [c for c in evidence.cases if c.max_rel_err is not None]
+        worst = max(passing, key=lambda c: c.max_rel_err or 0.0, default=None)
 
     def summary(c) -> CaseSummary:
         return CaseSummary(shape=c.shape, seed=c.seed, input_kind=c.input_kind, passed=c.passed,
                            max_abs_err=c.max_abs_err, max_rel_err=c.max_rel_err,
+                           ref_max_abs_err=c.ref_max_abs_err, norm_rel_err=c.norm_rel_err,
+                           ref_norm_rel_err=c.ref_norm_rel_err,
                            message=(c.message or "")[:300] or None)
 
     shapes = list(dict.fromkeys(c.shape for c in evidence.cases))
@@ -235,10 +261,12 @@ def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, 
 
 async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
                          candidate: str, seeds: int | None, shapes: list[str] | None,
-                         campaign_id: str | None, progress: Progress | None
+                         campaign_id: str | None, progress: Progress | None,
+                         task_globals: dict[str, Any] | None = None
                          ) -> tuple[RunValidationResult, ValidationEvidence, float]:
     task_path = check_file(config, task, "task")
     cand_path = check_file(config, candidate, "candidate")
+    task_globals = checked_task_globals(task_path, task_globals)
     seeds = max(seeds or config.gate.seeds, config.gate.seeds)  # more seeds than policy, never fewer
     target = await pick_target(config)
     run_id = new_run_id("validation")
@@ -247,11 +275,13 @@ async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: Artifact
         evidence = await validate_candidate(
             task=task_path, candidate=cand_path, job_dir=config.jobs_dir / run_id, seeds=seeds,
             shapes=shapes, device=target.torch_device, timeout_s=config.job_timeout_s,
-            validation_id=run_id, keep_warm=config.warm_workers, progress=progress)
+            validation_id=run_id, keep_warm=config.warm_workers, progress=progress,
+            task_globals=task_globals)
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
-    reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes)
+    reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes, task_globals)
     store_record(ledger, artifacts, run_id, "validation",
                  {"evidence": evidence.model_dump(), "task": str(task_path),
+                  "task_globals": task_globals,
                   "candidate": str(cand_path),
                   "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(cand_path),
                                                        "candidate", cand_path.name),
@@ -284,7 +314,8 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
             speedup=s.ratio.estimate, ci_low=s.ratio.ci_low, ci_high=s.ratio.ci_high,
             pairs=min(s.baseline.n, s.candidate.n),
             candidate_cv=(s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0,
-            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction, stop_reason=s.stop_reason)
+            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction, stop_reason=s.stop_reason,
+            block_speedups=s.block_ratios)
         for s in evidence.shapes
     ]
     g = evidence.geomean
@@ -300,12 +331,13 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
     if evidence.timer == "wall_clock":
         note = ("CPU wall-clock timings, one thread per arm (no GPU here): they say nothing about "
                 "GPU speed; " + note)
+        if evidence.blocks:
+            note += (f"; {evidence.blocks} blocks of fresh processes, the CI a t-interval across "
+                     "the blocks' ratios")
     if any(f.severity == "error" for f in findings):
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
-    elif g and g.ci_low > 1 + gate.min_gain:
-        next_step = "submit_candidate to have the server re-check and accept it"
     else:
-        next_step = "not a clear win yet: profile the candidate or try a different approach"
+        next_step = benchmark_advice(evidence, gate)
     return BenchmarkResult(
         benchmark_id=evidence.benchmark_id, device=evidence.device, timer=evidence.timer,
         timer_note=note, shapes=shapes, geomean_speedup=g.estimate if g else None,
@@ -314,7 +346,34 @@ def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], ga
         throttled_samples_dropped=evidence.throttled_samples_dropped,
         proof_of_execution=evidence.proof_of_execution, proof_note=evidence.proof_note,
         findings=[_finding(f) for f in findings], device_state=device_state,
+        blocks=evidence.blocks, block_geomeans=evidence.block_geomeans,
         seconds=round(seconds, 3), baseline=baseline, next_step=next_step)
+
+
+def benchmark_advice(evidence: BenchmarkEvidence, gate: GateConfig) -> str:
+    """The next step after a benchmark, from the rules the gate will apply to it on submit."""
+    reasons = benchmark_reasons(evidence, gate)
+    codes = {c for c, _ in reasons}
+    blocking = [(c, m) for c, m in reasons if not is_review_code(c)]
+    if "shape.regression" in codes:
+        slow = [m for c, m in blocking if c == "shape.regression"]
+        return ("do not submit yet: the gate rejects a candidate with any shape clearly slower "
+                f"(CI upper bound below {1 - gate.max_regression:.3f}x). {' '.join(slow)} Make that "
+                "shape at least as fast as the baseline (e.g. a separate path or tuning for it), "
+                "then benchmark again")
+    if "speedup.insufficient" in codes:
+        g = evidence.geomean
+        low = f"{g.ci_low:.3f}x" if g else "unknown"
+        return (f"not a clear win yet: the geomean CI lower bound ({low}) must exceed "
+                f"{1 + gate.min_gain:.3f}x for the gate to accept; profile the candidate or try a "
+                "different approach (re-running the same idea only chases noise)")
+    if blocking:
+        return ("the gate would reject this evidence: " + " ".join(m for _, m in blocking)
+                + " Fix that, then benchmark again")
+    if reasons:
+        return ("submit_candidate would end in needs_review, not accept ("
+                + review_explanation([c for c, _ in reasons]) + ")")
+    return "submit_candidate to have the server re-check and accept it"
 
 
 def _clock_sampler(target: Target):
@@ -341,10 +400,12 @@ def task_baseline(task_path: Path) -> str | None:
 
 async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
                         candidate: str, baseline: str | None, shapes: list[str] | None,
-                        campaign_id: str | None, progress: Progress | None
+                        campaign_id: str | None, progress: Progress | None,
+                        task_globals: dict[str, Any] | None = None
                         ) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
     task_path = check_file(config, task, "task")
     cand_path = check_file(config, candidate, "candidate")
+    task_globals = checked_task_globals(task_path, task_globals)
     if not baseline:
         baseline = task_baseline(task_path)
     base_path = check_file(config, baseline, "baseline") if baseline else None
@@ -359,7 +420,8 @@ async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactS
             task=task_path, candidate=cand_path, baseline=base_path, job_dir=config.jobs_dir / run_id,
             shapes=shapes, device=target.torch_device, gate=gate, peak=target.device.peak,
             flush_bytes=flush_bytes_for(target), timeout_s=config.job_timeout_s,
-            benchmark_id=run_id, clock_sampler=sampler, keep_warm=config.warm_workers, progress=progress)
+            benchmark_id=run_id, clock_sampler=sampler, keep_warm=config.warm_workers, progress=progress,
+            task_globals=task_globals)
         after = sampler() if sampler else None
     state = None
     if before and after:
@@ -371,7 +433,7 @@ async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactS
                                  baseline=str(base_path) if base_path else "the task's Model")
     store_record(ledger, artifacts, run_id, "benchmark",
                  {"evidence": evidence.model_dump(), "findings": [f.model_dump() for f in findings],
-                  "task": str(task_path), "candidate": str(cand_path),
+                  "task": str(task_path), "task_globals": task_globals, "candidate": str(cand_path),
                   "baseline": str(base_path) if base_path else None, "device": target.device.model_dump()},
                  result, campaign_id)
     return result, evidence, findings, held.seconds

@@ -126,6 +126,31 @@ class GateConfig(_Model):
         default=False,
         description="Allow accept on host wall-clock timing (CPU fallback). Off: such runs need review",
     )
+    wall_clock_blocks: int = Field(
+        default=4,
+        ge=2,
+        description="Wall clock (CPU): blocks always timed. A block is a fresh timer and pair of "
+        "arm processes; a process keeps its few-percent bias for life, so the CI is a t-interval "
+        "across blocks' ratios, not across samples",
+    )
+    wall_clock_max_blocks: int = Field(
+        default=8,
+        ge=2,
+        description="Wall clock (CPU): blocks at most; more run while the geomean CI is wider "
+        "than wall_clock_ci_target",
+    )
+    wall_clock_ci_target: float = Field(
+        default=0.015,
+        gt=0,
+        description="Wall clock (CPU): stop adding blocks once the geomean CI's half-width, "
+        "relative to the estimate, is below this",
+    )
+    wall_clock_block_time_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Wall clock (CPU): sampling time per shape in one block (replaces max_time_s "
+        "there; min_time_s still applies up to it)",
+    )
     seeds: int = Field(default=5, ge=1, description="Validation seeds each shape must cover")
     tolerances: dict[str, Tolerance] = Field(
         default_factory=lambda: dict(DEFAULT_TOLERANCES),
@@ -136,6 +161,8 @@ class GateConfig(_Model):
     def _time_window(self) -> GateConfig:
         if self.min_time_s > self.max_time_s:
             raise ValueError("min_time_s must not exceed max_time_s")
+        if self.wall_clock_blocks > self.wall_clock_max_blocks:
+            raise ValueError("wall_clock_blocks must not exceed wall_clock_max_blocks")
         return self
 
 
@@ -190,8 +217,8 @@ class ValidationCase(_Model):
     rtol: float = Field(ge=0)
     atol_effective: float | None = Field(
         default=None,
-        description="The atol applied: atol capped at the reference's scale (its RMS times the "
-        "dtype's relative tolerance, or a few times the reference's own largest error)",
+        description="The atol applied: the larger of atol capped at the reference's scale (its "
+        "RMS times the dtype's relative tolerance) and 4x ref_max_abs_err",
     )
     norm_rel_err: float | None = Field(
         default=None, description="||out - ref||_2 / ||ref||_2 over finite elements, in float64"
@@ -204,6 +231,11 @@ class ValidationCase(_Model):
     ref_norm_rel_err: float | None = Field(
         default=None,
         description="The same normwise error for the reference itself run in the task's dtype on "
+        "this device, against its float64 run (None without a float64 run)",
+    )
+    ref_max_abs_err: float | None = Field(
+        default=None,
+        description="Largest elementwise error of the reference itself run in the task's dtype on "
         "this device, against its float64 run (None without a float64 run)",
     )
     ref_rms: float | None = Field(default=None, description="RMS of the reference's finite values")
@@ -257,7 +289,9 @@ class RatioCI(_Model):
     ci_high: float = Field(gt=0)
     level: float = Field(gt=0, lt=1)
     resamples: int = Field(ge=0)
-    method: Literal["paired_bootstrap", "independent_bootstrap", "degenerate"]
+    method: Literal["paired_bootstrap", "independent_bootstrap", "block_t", "degenerate"] = Field(
+        description="block_t: a Student t interval of the mean log ratio across blocks (fresh "
+        "processes each, CPU wall clock); resamples is 0 there")
 
     @model_validator(mode="after")
     def _ordered(self) -> RatioCI:
@@ -284,6 +318,11 @@ class ShapeSamples(_Model):
     bytes_moved: float | None = Field(default=None, ge=0)
     stop_reason: Literal["precise", "time_cap"] | None = None
     sampling_s: float | None = Field(default=None, ge=0)
+    blocks: list[int] | None = Field(
+        default=None,
+        description="The block (fresh pair of arm processes) each A/B pair was timed in; given, "
+        "the CI is taken across blocks",
+    )
 
     @model_validator(mode="after")
     def _lengths(self) -> ShapeSamples:
@@ -291,6 +330,10 @@ class ShapeSamples(_Model):
             len(self.throttled) == len(self.baseline_s) == len(self.candidate_s)
         ):
             raise ValueError("throttled flags need one entry per A/B pair")
+        if self.blocks is not None and not (
+            len(self.blocks) == len(self.baseline_s) == len(self.candidate_s)
+        ):
+            raise ValueError("block labels need one entry per A/B pair")
         return self
 
 
@@ -312,6 +355,11 @@ class ShapeTiming(_Model):
         description="Why sampling stopped: both medians precise (stderr_target), or max_time_s",
     )
     sampling_s: float | None = Field(default=None, ge=0, description="Seconds spent sampling")
+    block_ratios: list[float] | None = Field(
+        default=None,
+        description="Speedup (ratio of medians) in each block, in block order: their spread is "
+        "the CI's width",
+    )
 
 
 class BenchmarkEvidence(_Model):
@@ -352,6 +400,16 @@ class BenchmarkEvidence(_Model):
         description="What the candidate did while timed (stale outputs, replaced timers); an "
         "error here rejects whatever validation said",
     )
+    blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Wall clock: blocks timed, each a fresh timer and pair of arm processes",
+    )
+    block_geomeans: list[float] | None = Field(
+        default=None,
+        description="Wall clock: the geomean speedup within each block, in block order; the "
+        "geomean CI is a t-interval across them",
+    )
 
 
 # ---------------------------------------------------------------- verdict
@@ -363,7 +421,12 @@ ReasonCode = Literal[
     "validation.missing",
     "validation.failed",
     "validation.case_failed",
-    "validation.static_error",
+    "validation.static_error",  # the source itself breaks a rule (static.* checks)
+    "validation.mismatch",  # outputs differ from the reference: values, shape or dtype
+    "validation.nan_parity",  # NaN/Inf where the reference has none, or the other way round
+    "validation.runtime_error",  # the candidate crashed, failed to import or raised
+    "validation.misbehaved",  # ran, but broke a rule while running (aliasing, mutation, ...)
+    "validation.task_error",  # the task itself is at fault (inputs not reproducible)
     "validation.no_cases",
     "validation.too_few_seeds",
     "benchmark.missing",

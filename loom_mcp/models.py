@@ -5,7 +5,7 @@ Unknown values are `None`, never invented. Units are in the field names (`_bytes
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,6 +115,9 @@ class StartCampaignResult(_Model):
     branch: str = Field(description="Branch accepted changes are committed to (created on first accept)")
     goal: str
     task: str | None
+    task_globals: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Module-level names of the task overridden in every run of this campaign")
     budgets: Budgets
     config_fingerprint: str
     next_step: str
@@ -177,6 +180,11 @@ class CaseSummary(_Model):
     passed: bool
     max_abs_err: float | None = None
     max_rel_err: float | None = None
+    ref_max_abs_err: float | None = Field(
+        default=None, description="The same error of the task's Model itself in its dtype here")
+    norm_rel_err: float | None = None
+    ref_norm_rel_err: float | None = Field(
+        default=None, description="The reference's own normwise error in its dtype here")
     message: str | None = None
 
 
@@ -189,7 +197,7 @@ class RunValidationResult(_Model):
     cases_total: int
     cases_failed: int
     failing_cases: list[CaseSummary] = Field(description="At most 8; the full table is at loom://runs/{id}")
-    worst_case: CaseSummary | None = Field(default=None, description="Largest relative error among passing cases")
+    worst_case: CaseSummary | None = Field(default=None, description="The worst failing case (largest relative error) when any fails; else the passing case with the largest relative error")
     findings: list[CheckFinding]
     seconds: float
     next_step: str
@@ -209,6 +217,9 @@ class ShapeSpeed(_Model):
     stop_reason: Literal["precise", "time_cap"] | None = Field(
         default=None, description="precise: both medians reached the gate's precision; time_cap: "
         "the gate's max_time_s ran out first and the CI is as wide as it came out")
+    block_speedups: list[float] | None = Field(
+        default=None, description="CPU wall clock: the speedup in each block (a fresh pair of arm "
+        "processes); the CI is a t-interval across them, so their spread is its width")
 
 
 class BenchmarkResult(_Model):
@@ -228,6 +239,11 @@ class BenchmarkResult(_Model):
     proof_note: str | None
     findings: list[CheckFinding]
     device_state: dict[str, float | str | None] | None = None
+    blocks: int | None = Field(
+        default=None, description="CPU wall clock: blocks timed, each a fresh timer and pair of "
+        "arm processes (a process keeps a few-percent bias for life)")
+    block_geomeans: list[float] | None = Field(
+        default=None, description="CPU wall clock: the geomean speedup within each block")
     seconds: float
     baseline: str = Field(
         default="the task's Model",

@@ -56,7 +56,8 @@ INSTRUCTIONS = (
     "start_campaign(repo, goal) -> profile / analyze_trace to find where time goes -> write a "
     "candidate -> compile_kernel -> run_validation -> benchmark -> submit_candidate (the only way "
     "a change is accepted; the server re-checks everything itself) -> campaign_report. "
-    "Errors start with a [CODE]; fix what they name. Trust only numbers with CIs."
+    "Errors start with a [CODE]; fix what they name. Trust only numbers with CIs. Paths are "
+    "absolute, or relative to the campaign's repo when a call gives campaign_id."
 )
 
 T = TypeVar("T")
@@ -281,11 +282,53 @@ async def run_recorded(
 
 ShapeNames = Annotated[list[str] | None, Field(
     description="Subset of the task's SHAPES names; default all")]
+TaskGlobals = Annotated[dict[str, bool | int | float | str | list[int | float]] | None, Field(
+    max_length=64,
+    description="Module-level names the task's input functions read (batch_size, dim, ...), e.g. "
+    "{\"batch_size\": 2}; default: the campaign's")]
 
-READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
-                            open_world_hint=False)
-RECORDS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
-                          open_world_hint=False)
+# Hints at their spec defaults (readOnly false, idempotent false; destructive/idempotent mean
+# nothing for a read-only tool) are left out: every tools/list byte is agent context.
+READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+RECORDS = ToolAnnotations(destructive_hint=False, open_world_hint=False)
+
+
+class LoomServer(MCPServer):
+    """MCPServer whose argument mistakes come back coded: unknown tools [NOT_FOUND], arguments
+    that fail the tool's schema (or that it does not take) [BAD_INPUT] naming them, relative
+    paths resolved against the named campaign's repository or refused."""
+
+    services: Services | None = None
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        from pydantic import ValidationError
+
+        from loom_mcp.tool_contract import absolute_paths, argument_error
+
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
+            known = ", ".join(t.name for t in self._tool_manager.list_tools())
+            raise ToolError(f"[NOT_FOUND] no tool {name[:100]!r}; the tools are: {known}")
+        try:
+            if self.services is not None:
+                ledger = self.services.ledger
+
+                def campaign_repo(campaign_id: str) -> Path | None:
+                    row = ledger.campaign(campaign_id)
+                    return Path(row["repo"]) if row else None
+
+                arguments = absolute_paths(name, arguments, campaign_repo,
+                                           known_id=lambda value: ledger.run(value) is not None)
+            return await super().call_tool(name, arguments, context)
+        except LoomError as exc:
+            raise ToolError(f"Error executing tool {name}: {exc}") from exc
+        except ToolError as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            fields = tool.fn_metadata.arg_model.model_fields
+            accepted = {n: f.is_required() for n, f in fields.items()}
+            raise ToolError(f"Error executing tool {name}: "
+                            f"{argument_error(name, exc.__cause__, accepted)}") from exc.__cause__
 
 
 def build_server(config: LoomConfig | None = None) -> MCPServer:
@@ -297,24 +340,23 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         log.info("loom-mcp %s serving; home %s", __version__, config.home)
         yield services
 
-    server = MCPServer(
+    server = LoomServer(
         "loom-mcp",
         title="loom-mcp",
         version=__version__,
         instructions=INSTRUCTIONS,
         lifespan=lifespan,
     )
+    server.services = services
 
     @server.tool(title="Device info", annotations=READ_ONLY)
     async def device_info(
         ctx: Context,
         refresh: Annotated[bool, Field(description="Re-probe torch/triton instead of the cached facts")] = False,
     ) -> DeviceInfoResult:
-        """List the GPUs (NVIDIA via NVML, AMD via amdsmi) and CPU this server can use: name, arch
-        (sm_90, gfx942), memory, clocks, throttle state, driver and CUDA/ROCm versions, datasheet peaks
-        (bandwidth, FLOP/s by dtype) and whether a loom job holds the device now; plus the toolchain
-        (python, torch, triton, nvcc/hipcc, ncu/nsys/rocprofv3). Call it first; backends explains any
-        vendor library that is missing."""
+        """The GPUs (NVIDIA via NVML, AMD via amdsmi) and CPU this server can use: arch, memory,
+        clocks, throttle state, driver and runtime versions, datasheet peaks, whether a loom job holds
+        each now; plus the toolchain (torch, triton, nvcc/hipcc, profilers). Call it first."""
 
         async def body(scope: CallScope) -> DeviceInfoResult:
             await ctx.report_progress(0, total=1, message="probing devices and toolchain")
@@ -330,17 +372,17 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         goal: Annotated[str, Field(min_length=1, max_length=2000,
                                    description="What to improve, e.g. 'decode tokens/s of llama_q4k at batch 1'")],
         task: Annotated[str | None, Field(description="Task file (KernelBench format), absolute or repo-relative")] = None,
-        gpu_seconds: Annotated[float | None, Field(gt=0, description="Device-seconds budget; capped by the server's config")] = None,
+        gpu_seconds: Annotated[float | None, Field(gt=0, description="Device-seconds budget; capped by config")] = None,
         max_candidates: Annotated[int | None, Field(gt=0, le=10000, description="submit_candidate budget; capped by config")] = None,
         wall_seconds: Annotated[float | None, Field(gt=0, description="Wall-time budget; capped by config")] = None,
+        task_globals: TaskGlobals = None,
     ) -> StartCampaignResult:
-        """Bind a git repository and a goal into a campaign: records the base commit (HEAD), the
-        server's config fingerprint and the budgets (GPU-seconds, candidates, wall time; you may ask for
-        less than the configured ceiling, never more). The repo must be inside the allowed roots. Your
-        working tree and branch are never touched; accepted changes go to branch loom/<campaign_id>.
-        Returns campaign_id for every later call."""
+        """Bind a git repository (inside the allowed roots) and a goal into a campaign: records
+        the base commit (HEAD), config fingerprint and budgets (at most the configured ceilings).
+        Your working tree and branch are never touched; accepts go to branch loom/<campaign_id>."""
         arguments = {"repo": repo, "goal": goal, "task": task, "gpu_seconds": gpu_seconds,
-                     "max_candidates": max_candidates, "wall_seconds": wall_seconds}
+                     "max_candidates": max_candidates, "wall_seconds": wall_seconds,
+                     "task_globals": task_globals}
 
         async def body(scope: CallScope) -> StartCampaignResult:
             requested = None
@@ -352,12 +394,18 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                     wall_seconds=wall_seconds or ceiling.wall_seconds,
                 )
             result = await anyio.to_thread.run_sync(
-                start_campaign_impl, config, services.ledger, repo, goal, task, requested
+                start_campaign_impl, config, services.ledger, repo, goal, task, requested, task_globals
             )
             scope.campaign_id = result.campaign_id
             return result
 
         return await run_recorded(services, "start_campaign", arguments, body)
+
+    def campaign_globals(campaign_id: str | None, given: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The call's task_globals, or the campaign's when the call names none."""
+        from loom_mcp.campaigns import resolve_task_globals
+
+        return resolve_task_globals(services.ledger.campaign(campaign_id) if campaign_id else None, given)
 
     def progress_of(ctx: Context) -> Callable[[str], Awaitable[None]]:
         """Progress messages for long jobs (clients that did not ask for progress ignore them)."""
@@ -370,29 +418,29 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
 
         return report
 
-    @server.tool(title="Compile kernel", annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False))
+    @server.tool(title="Compile kernel", annotations=READ_ONLY)
     async def compile_kernel(
         ctx: Context,
         source: Annotated[str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")],
         language: Annotated[Literal["triton", "cuda", "hip"], Field(description="Source language")],
         target: Annotated[str | None, Field(max_length=32, description="sm_90, gfx942, ...; default: this server's device")] = None,
         flags: Annotated[list[str] | None, Field(max_length=32, description="Extra nvcc/hipcc flags (e.g. -O3, -std=c++17)")] = None,
-        task: Annotated[str | None, Field(description="Triton only: a task file; the candidate runs once on its first shape so kernels are specialized and compiled for real")] = None,
+        task: Annotated[str | None, Field(description="Triton only: a task file; the candidate runs its first shape so kernels compile for real")] = None,
+        task_globals: TaskGlobals = None,
     ) -> CompileResult:
-        """Compile a kernel in the sandbox and report per kernel: registers, spills, shared memory,
-        warps/stages and an occupancy estimate. Triton kernels are compiled by running the file's
-        ModelNew on the task's first shape (pass task=); CUDA via nvcc -Xptxas -v, HIP via hipcc
-        resource-usage remarks. Errors come back as [COMPILE_ERROR] diagnostics with your file:line.
-        Cached by content hash of source, compiler version, target and flags (cached=true says so)."""
-        arguments = {"source": source, "language": language, "target": target, "flags": flags, "task": task}
+        """Compile a kernel in the sandbox; per kernel: registers, spills, shared memory,
+        warps/stages, occupancy estimate. Triton: runs the file's ModelNew on the task's first shape
+        (pass task=); CUDA: nvcc -Xptxas -v; HIP: hipcc remarks. Errors are [COMPILE_ERROR] with your
+        file:line. Cached by content hash."""
+        arguments = {"source": source, "language": language, "target": target, "flags": flags, "task": task,
+                     "task_globals": task_globals}
 
         async def body(scope: CallScope) -> CompileResult:
             from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
 
             result, device_s = await judge.compile_kernel(
                 config, services.artifacts, source=source, language=language, target=target,
-                flags=flags or [], task=task, progress=progress_of(ctx))
+                flags=flags or [], task=task, progress=progress_of(ctx), task_globals=task_globals)
             scope.device_s = device_s
             if not result.ok:
                 where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
@@ -407,24 +455,25 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ctx: Context,
         task: Annotated[str, Field(description="Task file (KernelBench format: Model, get_inputs, get_init_inputs; optional SHAPES, TOLERANCE)")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew with Model's constructor and forward signature")],
-        seeds: Annotated[int | None, Field(ge=1, le=50, description="Seeds per shape; never fewer than the server's policy (default 5)")] = None,
+        seeds: Annotated[int | None, Field(ge=1, le=50, description="Seeds per shape (at least the server's policy, default 5)")] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        task_globals: TaskGlobals = None,
     ) -> RunValidationResult:
-        """Check a candidate against the task's reference over every shape x seed (fresh secret seeds,
-        normal, heavy-tailed and scaled inputs), in float64 with per-dtype tolerances, plus behaviour
-        checks: NaN/Inf parity, output type and aliasing, input mutation, bitwise determinism, late
-        writes (other streams/threads), and static checks of the source. The candidate runs in its own
-        process before any reference output exists. Returns passed, failing cases and named findings;
-        the full table is at loom://runs/{validation_id}."""
-        arguments = {"task": task, "candidate": candidate, "seeds": seeds, "shapes": shapes}
+        """Check a candidate against the task's reference over every shape x seed (secret seeds;
+        normal, heavy-tailed, scaled inputs) in float64 with per-dtype tolerances, plus behaviour
+        checks (NaN/Inf parity, aliasing, input mutation, determinism, late writes) and static checks.
+        Returns passed, failing cases and findings; full table at loom://runs/{validation_id}."""
+        arguments = {"task": task, "candidate": candidate, "seeds": seeds, "shapes": shapes,
+                     "task_globals": task_globals}
 
         async def body(scope: CallScope) -> RunValidationResult:
             from loom_mcp import judge
 
             result, _, device_s = await judge.run_validation(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
-                seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))
+                seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
+                task_globals=campaign_globals(campaign_id, task_globals))
             scope.device_s = device_s
             return result
 
@@ -435,25 +484,26 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ctx: Context,
         task: Annotated[str, Field(description="Task file; its Model is the default baseline")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew")],
-        baseline: Annotated[str | None, Field(description="Another candidate file (ModelNew) to compare against instead of the task's Model")] = None,
+        baseline: Annotated[str | None, Field(description="A candidate file (ModelNew) to compare against instead of the task's Model")] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        task_globals: TaskGlobals = None,
     ) -> BenchmarkResult:
-        """Time candidate vs baseline interleaved (ABBA) in two warm sandboxed workers: L2 flushed and
-        inputs rotated before every sample, device events, graph replay for short kernels, clocks
-        sampled (throttled pairs dropped), stopping once each arm's median has a standard error under
-        0.5 % or at a time cap (each shape says which). Returns per shape medians, speedup with a
-        bootstrap 95 % CI, roofline fraction when the task gives flops/bytes_moved, the geomean with
-        its CI, and whether the candidate's own kernels ran. Timed outputs are compared at secret
-        positions against the baseline's."""
-        arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes}
+        """Time candidate vs baseline (the task's Model, or baseline=) interleaved ABBA in warm
+        sandboxed workers (L2 flushed, inputs rotated, graph replay for short kernels, throttled pairs
+        dropped) until 0.5 % standard error or a time cap. Returns per-shape medians and speedups with
+        bootstrap 95 % CIs, roofline fraction, the geomean with its CI, and whether the candidate's own
+        kernels ran."""
+        arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes,
+                     "task_globals": task_globals}
 
         async def body(scope: CallScope) -> BenchmarkResult:
             from loom_mcp import judge
 
             result, _, _, device_s = await judge.run_benchmark(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
-                baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx))
+                baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
+                task_globals=campaign_globals(campaign_id, task_globals))
             scope.device_s = device_s
             return result
 
@@ -462,7 +512,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     @server.tool(title="Profile", annotations=RECORDS)
     async def profile(
         ctx: Context,
-        profiler: Annotated[Literal["torch", "rocprofv3", "nsys"], Field(description="torch: a task/candidate or script in a worker; rocprofv3/nsys: wrap command")] = "torch",
+        profiler: Annotated[Literal["torch", "rocprofv3", "nsys"], Field(description="torch: a task, candidate or script; rocprofv3/nsys: wrap command")] = "torch",
         task: Annotated[str | None, Field(description="Task file whose Model (or candidate's ModelNew) is profiled")] = None,
         candidate: Annotated[str | None, Field(description="Profile this ModelNew instead of the task's Model")] = None,
         shape: Annotated[str | None, Field(description="Task shape name; default the first")] = None,
@@ -471,13 +521,11 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         command: Annotated[list[str] | None, Field(max_length=256, description="rocprofv3/nsys: the command to run, as argv")] = None,
         warmup: Annotated[int, Field(ge=0, le=1000, description="Untraced calls first")] = 3,
         active: Annotated[int, Field(ge=1, le=100, description="Traced calls")] = 5,
-        campaign_id: Annotated[str | None, Field(description="Attach the trace to a campaign")] = None,
+        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
     ) -> ProfileResult:
-        """Run a workload under a profiler in the sandbox and store the trace (metadata and
-        environment blocks scrubbed) as an artifact. torch: the task's Model, a candidate's ModelNew,
-        or a Python script, with shapes recorded, `warmup` untraced and `active` traced calls; works on
-        CUDA, ROCm and CPU. rocprofv3 / nsys: wrap `command` ([TOOLCHAIN_MISSING] when absent).
-        Returns trace_id and a headline (GPU busy %, span, top ops); then call analyze_trace."""
+        """Run a workload under a profiler in the sandbox; the scrubbed trace is stored. torch: the
+        task's Model, a candidate's ModelNew or a script (CUDA, ROCm, CPU); rocprofv3 / nsys: wrap
+        `command` ([TOOLCHAIN_MISSING] when absent). Returns trace_id and a headline; then analyze_trace."""
         arguments = {"profiler": profiler, "task": task, "candidate": candidate, "shape": shape,
                      "script": script, "args": args, "command": command, "warmup": warmup,
                      "active": active}
@@ -507,17 +555,14 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     @server.tool(title="Analyze trace", annotations=READ_ONLY)
     async def analyze_trace(
         ctx: Context,
-        trace: Annotated[str, Field(description="A trace_id from profile, or the path of a trace: Kineto/PyTorch JSON (.json/.json.gz, CUDA or ROCm), rocprofv3 JSON, nsys SQLite")],
+        trace: Annotated[str, Field(description="A trace_id from profile, or a trace file: Kineto JSON (.json/.json.gz), rocprofv3 JSON, nsys SQLite")],
         baseline: Annotated[str | None, Field(description="Another trace id or path: report what got faster or slower")] = None,
         top_k: Annotated[int, Field(ge=1, le=50, description="Top ops to list")] = 10,
     ) -> AnalyzeTraceResult:
-        """Where the time goes and what is the most to win: the GPU timeline (computation, exposed
-        communication and memcpy, short/long idle; parts sum to the span), kernels linked to the ops that
-        launched them (graph replays fanned out, partial linking flagged), categories (GEMM, attention,
-        norm, elementwise, ...), top ops with FLOPs/bytes from recorded shapes and % of the device
-        roofline, and findings ranked by Amdahl ceiling, each naming the next tool. With baseline: per
-        category and per op deltas. Cached by content hash; full tables and a PNG are behind
-        loom://traces/{analysis_id}/analysis. Metadata values are never echoed."""
+        """Where the time goes and what is most to win: the GPU timeline (compute, exposed
+        communication/memcpy, idle), kernels linked to their ops, categories (GEMM, attention, ...),
+        top ops with FLOPs/bytes and % of roofline, and findings ranked by Amdahl ceiling, each naming
+        the next tool. With baseline: deltas. Full tables: loom://traces/{analysis_id}/analysis."""
         arguments = {"trace": trace, "baseline": baseline, "top_k": top_k}
 
         async def body(scope: CallScope) -> AnalyzeTraceResult:
@@ -557,38 +602,36 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         campaign_id: Annotated[str, Field(description="From start_campaign")],
         task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew (inside the campaign repo, or anywhere allowed)")],
-        paths: Annotated[list[str] | None, Field(max_length=200, description="Other repo files the change touches (repo-relative); frozen with the candidate")] = None,
+        paths: Annotated[list[str] | None, Field(max_length=200, description="Other repo-relative files of the change; frozen with the candidate")] = None,
+        task_globals: TaskGlobals = None,
     ) -> SubmitResult:
-        """The gate: the only way a change is accepted. The server freezes the candidate (content hash +
-        a server-owned git worktree at the campaign tip; your later edits cannot change what is judged),
-        re-runs compile -> run_validation -> benchmark itself over every shape, and decides with the
-        human's thresholds: accept iff validation passes and the geomean speedup's CI lower bound clears
-        1 + min_gain with no shape clearly slower; needs_review when a time is below the physical floor
-        or the speedup is implausible. On accept it commits to loom/<campaign_id> with Loom-* trailers.
-        Budgets are enforced ([BUDGET_EXHAUSTED])."""
-        arguments = {"campaign_id": campaign_id, "task": task, "candidate": candidate, "paths": paths}
+        """The gate, the only way a change is accepted. The server freezes the candidate (content
+        hash + a worktree at the campaign tip; later edits do not count), re-runs compile, validation
+        and benchmark itself, and decides with the human's thresholds: accept iff validation passes and
+        the geomean speedup's CI lower bound clears 1 + min_gain with no shape clearly slower;
+        needs_review when implausible. Accepts commit to loom/<campaign_id>. Failures that are not the
+        candidate's spend no budget."""
+        arguments = {"campaign_id": campaign_id, "task": task, "candidate": candidate, "paths": paths,
+                     "task_globals": task_globals}
 
         async def body(scope: CallScope) -> SubmitResult:
             from loom_mcp.submissions import submit_candidate as submit
 
             result, device_s = await submit(
                 config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
-                candidate=candidate, paths=paths, progress=progress_of(ctx))
+                candidate=candidate, paths=paths, progress=progress_of(ctx), task_globals=task_globals)
             scope.device_s = device_s
             return result
 
         return await run_recorded(services, "submit_candidate", arguments, body, campaign_id)
 
-    @server.tool(title="Campaign report", annotations=ToolAnnotations(
-        read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False))
+    @server.tool(title="Campaign report", annotations=READ_ONLY)
     async def campaign_report(
         campaign_id: Annotated[str, Field(description="From start_campaign")],
     ) -> CampaignReportResult:
-        """The campaign so far, from the ledger: the accepted chain with cumulative speedup, every
-        attempt with its verdict and reasons, outcome rates (compile-fail, validation-fail,
-        noise-reject, accept), per-tool error counts, budgets used, the device and software
-        fingerprint, the accepted commits as a patch, and commands that reproduce each number.
-        Writes report.json, report.md and PNG plots; the Markdown is at loom://campaigns/{id}/report."""
+        """The campaign from the ledger: accepted chain and cumulative speedup, every attempt
+        with verdict and reasons, outcome rates, per-tool errors, budgets used, fingerprints, the
+        accepted patch and reproduction commands. Markdown at loom://campaigns/{id}/report."""
 
         async def body(scope: CallScope) -> CampaignReportResult:
             from loom_mcp.report.campaign import write_report
@@ -616,24 +659,22 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def benchmark_command(
         ctx: Context,
         command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv; with revisions, what both arms run")],
-        baseline_command: Annotated[list[str] | None, Field(min_length=1, max_length=256, description="The baseline, as argv (e.g. the model program at the campaign base); with revisions it defaults to `command`")] = None,
-        metrics: Annotated[list[str] | None, Field(max_length=20, description="Metric names to compare (append ':higher' or ':lower' for unknown ones); default: the parser's headline metrics")] = None,
+        baseline_command: Annotated[list[str] | None, Field(min_length=1, max_length=256, description="The baseline, as argv; with revisions, defaults to `command`")] = None,
+        metrics: Annotated[list[str] | None, Field(max_length=20, description="Metrics to compare (name, or name:higher / name:lower); default: the parser's headline ones")] = None,
         runs: Annotated[int, Field(ge=3, le=200, description="Runs per arm, interleaved ABBA")] = 5,
         parser: Annotated[Literal["auto", "json", "vllm", "sglang"], Field(description="json: last JSON object on stdout; vllm / sglang: their benchmark result JSON")] = "auto",
         metrics_file: Annotated[str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")] = None,
-        cwd: Annotated[str | None, Field(description="Working directory of both commands (inside the allowed roots); with revisions, the same directory inside each revision's worktree")] = None,
+        cwd: Annotated[str | None, Field(description="Working directory of both commands; with revisions, the same path inside each worktree")] = None,
         warmup: Annotated[int, Field(ge=0, le=10, description="Unrecorded runs per arm first")] = 0,
-        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag, HEAD~1; say, a campaign's base commit, against its loom/<campaign> branch as `revision`): each arm then runs in a fresh worktree of `repo` at its own revision, committed content only")] = None,
+        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag): each arm then runs in a fresh worktree of `repo` at its own revision (committed content only)")] = None,
         revision: Annotated[str | None, Field(min_length=1, max_length=256, description="The candidate arm's revision (default HEAD); needs baseline_revision")] = None,
-        repo: Annotated[str | None, Field(description="A directory of the git repository the revisions belong to (default: cwd, else the campaign's repository)")] = None,
-        campaign_id: Annotated[str | None, Field(description="Attach the record to a campaign")] = None,
+        repo: Annotated[str | None, Field(description="The git repository of the revisions (default: cwd, else the campaign's)")] = None,
+        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
     ) -> CommandBenchmarkResult:
-        """Compare two whole programs (a model server benchmark, the llama_q4k program, a script),
-        or one command at two git revisions: run each arm `runs` times interleaved ABBA in the
-        sandbox, parse the JSON metrics they print (vLLM and SGLang benchmark results understood),
-        and report per metric each arm's median with its CI and the improvement factor with a
-        bootstrap CI (> 1 = candidate better, direction known per metric). The commands get no
-        network beyond their own loopback."""
+        """Compare two whole programs (a model server benchmark, a script), or one command at
+        two git revisions, `runs` times each interleaved ABBA in the sandbox (loopback network only):
+        per metric they print (JSON; vLLM/SGLang results understood) each arm's median and the
+        improvement factor with bootstrap CIs (> 1 = candidate better)."""
         arguments = {"baseline_command": baseline_command, "command": command, "metrics": metrics,
                      "runs": runs, "parser": parser, "metrics_file": metrics_file, "cwd": cwd,
                      "warmup": warmup, "baseline_revision": baseline_revision,
@@ -741,5 +782,16 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             "reference; never chase a result inside the confidence interval.\n"
             "6. campaign_report when done."
         )
+
+    from loom_mcp.tool_contract import tighten_tools
+
+    full_output_schemas = tighten_tools(server._tool_manager.list_tools())
+
+    @server.resource("loom://schemas/{tool}", name="output_schema", mime_type="application/json",
+                     title="A tool's full output schema (tools/list publishes nested objects untyped)")
+    def output_schema_resource(tool: str) -> str:
+        if tool not in full_output_schemas:
+            raise ResourceNotFoundError(f"no tool {tool!r}; the tools are: {', '.join(full_output_schemas)}")
+        return orjson.dumps(full_output_schemas[tool], option=orjson.OPT_INDENT_2).decode()
 
     return server

@@ -106,6 +106,14 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN reuse_key TEXT;  -- what the evidence depends on, hashed
     CREATE INDEX runs_reuse ON runs(kind, reuse_key);
     """,
+    """
+    -- the task's module-level overrides (batch_size, dim, ...) every judged run of it uses
+    ALTER TABLE campaigns ADD COLUMN task_globals_json TEXT;
+    """,
+    """
+    -- the server's config fingerprint (gate policy) in force when the attempt was judged
+    ALTER TABLE submissions ADD COLUMN config_fingerprint TEXT;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

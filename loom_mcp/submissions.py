@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 
 from loom_mcp import gitops
-from loom_mcp.config import LoomConfig
+from loom_mcp.config import CONFIG_FILE, LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import CompileEvidence, Diagnostic, Verdict
 from loom_mcp.models import Budgets, SubmitResult
@@ -30,11 +30,22 @@ Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp")
 
 
+# Errors a candidate can cause while it is judged (it hangs, exhausts a sandbox limit, kills its
+# worker, does not compile): such a submission spends a candidate like any verdict.
+CANDIDATE_ERRORS = frozenset({ErrorCode.TIMEOUT, ErrorCode.RESOURCE_LIMIT, ErrorCode.WORKER_CRASHED,
+                              ErrorCode.COMPILE_ERROR})
+
+
+def candidate_failure(exc: BaseException) -> bool:
+    return isinstance(exc, LoomError) and exc.code in CANDIDATE_ERRORS
+
+
 def budget_usage(ledger: Ledger, campaign: dict) -> dict[str, float]:
     calls = ledger.calls(campaign_id=campaign["id"])
+    charged = [s for s in ledger.submissions(campaign["id"]) if s["status"] != "void"]
     return {
         "gpu_seconds": sum(c.device_s for c in calls),
-        "candidates": float(len(ledger.submissions(campaign["id"]))),
+        "candidates": float(len(charged)),
         "wall_seconds": time.time() - campaign["created_at"],
     }
 
@@ -98,6 +109,34 @@ def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
+def _source_bytes(data: bytes, path: Path, what: str) -> bytes:
+    """`data` when it is UTF-8 text; else [BAD_INPUT] before the submission is recorded."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LoomError(ErrorCode.BAD_INPUT,
+                        f"{what} {path} is not UTF-8 text (byte {exc.start}); a {what} is a Python "
+                        "source file") from None
+    return data
+
+
+def _materialize_task(worktree: Path, task_rel: str, task_bytes: bytes,
+                      declared_baseline: str | None) -> str | None:
+    """Write a task missing from the worktree (and the BASELINE it names, when that is missing
+    too) beside where it lives in the repo; None when that directory is not in the worktree
+    (the caller then puts the task beside the worktree)."""
+    where = worktree / task_rel
+    if not where.parent.is_dir() or where.parent.is_symlink():
+        return None
+    safefs.write_bytes(worktree, task_rel, task_bytes)
+    if declared_baseline is not None:
+        baseline = Path(declared_baseline)
+        rel = str(Path(task_rel).parent / baseline.name)
+        if not (worktree / rel).is_file() and baseline.is_file():
+            safefs.write_bytes(worktree, rel, safefs.read_resolved_bytes(baseline))
+    return task_rel
+
+
 def _relative_in(repo: Path, path: Path) -> str | None:
     try:
         return path.resolve().relative_to(repo).as_posix()
@@ -108,9 +147,10 @@ def _relative_in(repo: Path, path: Path) -> str | None:
 async def submit_candidate(
     config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, campaign_id: str, task: str,
     candidate: str, paths: list[str] | None, progress: Progress | None,
+    task_globals: dict | None = None,
 ) -> tuple[SubmitResult, float]:
     from loom_mcp import judge
-    from loom_mcp.gate import decide
+    from loom_mcp.gate import decide, review_explanation
 
     campaign = ledger.campaign(campaign_id)
     if campaign is None:
@@ -118,6 +158,15 @@ async def submit_candidate(
     repo = Path(campaign["repo"])
     task_path = judge.check_file(config, task, "task")
     cand_path = judge.check_file(config, candidate, "candidate")
+    # The campaign's overrides are part of the yardstick: a submission may not judge itself on others.
+    from loom_mcp.campaigns import campaign_task_globals
+
+    recorded = campaign_task_globals(campaign)
+    task_globals = judge.checked_task_globals(task_path, task_globals) or recorded
+    if task_globals != recorded:
+        raise LoomError(ErrorCode.BAD_INPUT,
+                        f"task_globals {task_globals} differ from the campaign's {recorded or '{}'}: "
+                        "submissions are judged with the campaign's; start a new campaign for others")
     worktrees_root = config.home / "worktrees" / campaign_id
     device_seconds = 0.0
 
@@ -142,18 +191,20 @@ async def submit_candidate(
             raise LoomError(ErrorCode.BAD_INPUT,
                             f"the submission changes {', '.join(touched)}: the task and its baseline are "
                             "the yardstick, not part of the candidate; submit only the candidate's files")
-        task_sha = artifacts.put_bytes(safefs.read_resolved_bytes(task_path), kind="task",
-                                       name=task_path.name)
+        task_bytes = _source_bytes(safefs.read_resolved_bytes(task_path), task_path, "task")
+        task_sha = artifacts.put_bytes(task_bytes, kind="task", name=task_path.name)
         frozen_bytes = change.content_bytes(cand_rel) if cand_rel in change.files else None
         # Unchanged since the base (only other paths changed): the file as it is now is the candidate.
-        cand_sha = artifacts.put_bytes(
-            frozen_bytes if frozen_bytes is not None else safefs.read_resolved_bytes(cand_path),
-            kind="candidate", name=cand_rel)
+        cand_bytes = frozen_bytes if frozen_bytes is not None else safefs.read_resolved_bytes(cand_path)
+        cand_sha = artifacts.put_bytes(_source_bytes(cand_bytes, cand_path, "candidate"),
+                                       kind="candidate", name=cand_rel)
+        declared_baseline = judge.task_baseline(task_path) if task_rel else None
         submission_id = new_run_id("submission")
         ledger.insert_submission({
             "id": submission_id, "campaign_id": campaign_id, "created_at": time.time(),
             "status": "running", "task": str(task_path), "task_sha": task_sha,
-            "candidate": str(cand_path), "candidate_sha": cand_sha, "pid": os.getpid()})
+            "candidate": str(cand_path), "candidate_sha": cand_sha, "pid": os.getpid(),
+            "config_fingerprint": config.fingerprint()})
         tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
         worktree = None
         try:
@@ -162,6 +213,10 @@ async def submit_candidate(
             worktree = gitops.prepare_worktree(repo, worktrees_root, submission_id, tip, change)
             ledger.update_submission(submission_id, worktree=str(worktree))
             frozen_cand = worktree / cand_rel
+            if task_rel is not None and not (worktree / task_rel).is_file():
+                # Not committed at the campaign tip (written after start_campaign, or untracked):
+                # judged from the bytes snapshotted above, in its place; never committed.
+                task_rel = _materialize_task(worktree, task_rel, task_bytes, declared_baseline)
             frozen_task = worktree / task_rel if task_rel else worktree.parent / f"{submission_id}.task.py"
             if task_rel is None:
                 safefs.write_bytes(worktree.parent, frozen_task.name, artifacts.get_bytes(task_sha))
@@ -175,7 +230,7 @@ async def submit_candidate(
                     await progress("compiling")
                 compiled, secs = await judge.compile_kernel(
                     config, artifacts, source=str(frozen_cand), language="triton", target=None, flags=[],
-                    task=str(frozen_task), progress=progress)
+                    task=str(frozen_task), progress=progress, task_globals=task_globals)
                 device_seconds += secs
                 compile_evidence = CompileEvidence(
                     ok=compiled.ok, language="triton", artifact_id=compiled.artifact_id,
@@ -195,7 +250,8 @@ async def submit_candidate(
                 # A full validation of these exact bytes on this device and software (the agent's
                 # own run_validation before submitting, say) is evidence already: reuse it.
                 reused = await judge.reusable_validation(config, ledger, artifacts,
-                                                         task=frozen_task, candidate=frozen_cand)
+                                                         task=frozen_task, candidate=frozen_cand,
+                                                         task_globals=task_globals)
                 if reused is not None:
                     validation_id, validation = reused
                     if progress:
@@ -204,14 +260,15 @@ async def submit_candidate(
                 else:
                     v_result, validation, secs = await judge.run_validation(
                         config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
-                        seeds=None, shapes=None, campaign_id=campaign_id, progress=progress)
+                        seeds=None, shapes=None, campaign_id=campaign_id, progress=progress,
+                        task_globals=task_globals)
                     device_seconds += secs
                     validation_id = v_result.validation_id
                 if validation.passed:
                     b_result, benchmark, _, secs = await judge.run_benchmark(
                         config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
                         baseline=str(baseline_file) if baseline_file else None, shapes=None,
-                        campaign_id=campaign_id, progress=progress)
+                        campaign_id=campaign_id, progress=progress, task_globals=task_globals)
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id
             verdict: Verdict = decide(compile_evidence, validation, benchmark, config.gate)
@@ -223,13 +280,16 @@ async def submit_candidate(
                     repo, worktree, campaign["branch"], tip,
                     message=f"loom: {Path(cand_rel).name} x{verdict.speedup:.3f} for {task_path.name}\n\n"
                             f"Campaign {campaign_id}: {campaign['goal']}",
-                    trailers=trailers(verdict, validation_id, benchmark_id, benchmark))
+                    trailers=trailers(verdict, validation_id, benchmark_id, benchmark, task_globals))
             ledger.update_submission(
                 submission_id, status=verdict.verdict, finished_at=time.time(),
                 validation_id=validation_id, benchmark_id=benchmark_id,
                 verdict_json=verdict.model_dump_json(), commit_sha=commit)
-        except BaseException:
-            ledger.update_submission(submission_id, status="error", finished_at=time.time())
+        except BaseException as exc:
+            # A failure that is not the candidate's (ours, the infrastructure's, a cancelled call)
+            # is recorded as `void` and spends no candidate budget.
+            status = "error" if candidate_failure(exc) else "void"
+            ledger.update_submission(submission_id, status=status, finished_at=time.time())
             raise
         finally:
             if worktree is not None:
@@ -238,11 +298,12 @@ async def submit_candidate(
                     leftover.unlink(missing_ok=True)
                 ledger.update_submission(submission_id, worktree=None)
 
-    next_step = {
-        "accept": f"accepted on {campaign['branch']}; optimize the next hotspot or campaign_report",
-        "reject": "fix the reasons listed, then submit again",
-        "needs_review": "a human must look at this result (implausible speed or unproven execution)",
-    }[verdict.verdict]
+    if verdict.verdict == "accept":
+        next_step = f"accepted on {campaign['branch']}; optimize the next hotspot or campaign_report"
+    elif verdict.verdict == "reject":
+        next_step = "fix the reasons listed, then submit again"
+    else:
+        next_step = review_explanation(list(verdict.reason_codes), str(config.home / CONFIG_FILE))
     result = SubmitResult(
         submission_id=submission_id, verdict=verdict.verdict, reasons=verdict.reasons,
         reason_codes=list(verdict.reason_codes), speedup=verdict.speedup,
@@ -258,9 +319,11 @@ def last_accepted(ledger: Ledger, campaign_id: str, task_sha: str) -> dict | Non
     return accepted[-1] if accepted else None
 
 
-def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark) -> dict[str, str]:
+def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark,
+             task_globals: dict | None = None) -> dict[str, str]:
     device = benchmark.device if benchmark else "unknown"
-    return {
+    extra = {"Loom-Task-Globals": orjson.dumps(task_globals).decode()} if task_globals else {}
+    return {**extra,
         "Loom-Verdict": verdict.verdict,
         "Loom-Speedup": f"{verdict.speedup:.4f}x [{verdict.speedup_ci_low:.4f}, {verdict.speedup_ci_high:.4f}] "
                         f"{int(round((verdict.ci_level or 0.95) * 100))}% CI",

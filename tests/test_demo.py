@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loom_mcp.demo import wall_clock_notice, write_config
+
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 
 
@@ -26,3 +28,14 @@ def test_demo_runs_the_whole_loop(tmp_path):
         assert step in summary["largest_result_bytes"], step
     too_big = {k: v for k, v in summary["largest_result_bytes"].items() if v > 4096}
     assert not too_big, f"tool results over 4 KB: {too_big}"
+    if summary["wall_clock_accepts_allowed"]:  # a CPU-only machine: the demo must say why it accepts
+        assert "sets [gate] accept_wall_clock = true" in done.stdout
+        assert "only because this demo's loom.toml allows it" in done.stdout
+
+
+def test_demo_config_says_when_it_allows_wall_clock_accepts(tmp_path):
+    write_config(tmp_path / "cpu", tmp_path, cpu_only=True)
+    notice = wall_clock_notice(tmp_path / "cpu")
+    assert notice and "accept_wall_clock = true" in notice and "needs_review" in notice
+    write_config(tmp_path / "gpu", tmp_path, cpu_only=False)
+    assert wall_clock_notice(tmp_path / "gpu") is None

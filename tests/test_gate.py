@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from loom_mcp.gate import decide
+from loom_mcp.gate import decide, review_explanation
 from loom_mcp.judge_models import (
     BenchmarkEvidence,
     CompileEvidence,
@@ -153,6 +153,13 @@ def _static_error_validation() -> ValidationEvidence:
     return v
 
 
+def _finding_validation(check: str, message: str) -> ValidationEvidence:
+    """A failed validation carrying one error finding, as validate/runner.py records them."""
+    v = good_validation().model_copy(update={"passed": False})
+    v.findings.append(Finding(check=check, severity="error", message=message))
+    return v
+
+
 SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
     "compile failed": (
         lambda: judge(
@@ -181,6 +188,36 @@ SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
         lambda: judge(validation=_static_error_validation()),
         "reject",
         "validation.static_error",
+    ),
+    "numeric mismatch": (
+        lambda: judge(validation=_finding_validation(
+            "validation.mismatch", "decode seed 1 (normal): max abs error 0.5 exceeds atol")),
+        "reject",
+        "validation.mismatch",
+    ),
+    "NaN parity": (
+        lambda: judge(validation=_finding_validation(
+            "validation.nan_inf", "decode seed 1 (normal): NaN where the reference has none")),
+        "reject",
+        "validation.nan_parity",
+    ),
+    "candidate raised": (
+        lambda: judge(validation=_finding_validation(
+            "validation.exception", "decode seed 1 (normal): RuntimeError: boom")),
+        "reject",
+        "validation.runtime_error",
+    ),
+    "misbehaved while validated": (
+        lambda: judge(validation=_finding_validation(
+            "validation.input_mutation", "decode seed 1 (normal): forward modified its inputs")),
+        "reject",
+        "validation.misbehaved",
+    ),
+    "task at fault": (
+        lambda: judge(validation=_finding_validation(
+            "task.nondeterministic_inputs", "decode seed 1: get_inputs is not reproducible")),
+        "reject",
+        "validation.task_error",
     ),
     "no cases": (
         lambda: judge(validation=ValidationEvidence(validation_id="v", passed=True)),
@@ -492,3 +529,42 @@ def test_framework_only_candidate_needs_no_proof():
     assert any("no kernels of its own" in w for w in v.warnings)
     unknown = judge(benchmark=good_benchmark(proof_of_execution=None))
     assert unknown.verdict == "needs_review" and "review.proof_unknown" in unknown.reason_codes
+
+
+@pytest.mark.parametrize("check", ["validation.mismatch", "validation.nan_inf", "validation.shape",
+                                   "validation.exception", "guard.ctypes"])
+def test_only_static_checks_are_coded_static_error(check: str):
+    v = judge(validation=_finding_validation(check, "what went wrong"))
+    assert v.verdict == "reject"
+    assert "validation.static_error" not in v.reason_codes, v.reason_codes
+
+
+def test_wall_clock_only_review_names_the_setting_that_would_allow_it():
+    v = judge(benchmark=good_benchmark(timer="wall_clock"))
+    assert v.verdict == "needs_review" and v.reason_codes == ["review.wall_clock"]
+    assert "accept_wall_clock" in v.reasons[0]
+    text = review_explanation(v.reason_codes, "/h/loom.toml")
+    assert "wall clock" in text and "`[gate] accept_wall_clock = true` in /h/loom.toml" in text
+    assert "implausible" not in text and "unproven" not in text
+
+
+def test_review_explanation_names_each_actual_reason():
+    text = review_explanation(["review.implausible_speedup", "review.throttled"])
+    assert "max_plausible_speedup" in text and "throttled" in text
+    assert "accept_wall_clock" not in text and "wall clock" not in text
+
+
+def test_benchmark_advice_is_the_gates_rule():
+    """benchmark's next_step says submit_candidate only when the gate would accept."""
+    from loom_mcp.judge import benchmark_advice
+
+    assert benchmark_advice(good_benchmark(), CFG).startswith("submit_candidate")
+    regressed = good_benchmark(shapes=[shape("decode", 1.5, 1.4, 1.6),
+                                       shape("prefill", 0.9, 0.88, 0.92)],
+                               geomean=ratio(1.16, 1.1, 1.22))
+    advice = benchmark_advice(regressed, CFG)
+    assert "submit_candidate" not in advice and "prefill" in advice and "0.980x" in advice
+    short = benchmark_advice(good_benchmark(geomean=ratio(1.05, 1.0, 1.1)), CFG)
+    assert "submit_candidate" not in short and "1.020x" in short
+    review = benchmark_advice(good_benchmark(timer="wall_clock"), CFG)
+    assert "needs_review" in review and "accept_wall_clock" in review

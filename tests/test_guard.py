@@ -726,10 +726,11 @@ async def test_guard_cheats_are_rejected_with_the_named_check(server, workspace,
 async def test_honest_torch_compile_candidate_is_not_refused_in_validation(server, workspace):
     report = await validate(server, workspace, "honest_torch_compile.py")
     assert not [f for f in report["findings"] if f["check"].startswith("guard.")]
-    # validation.threads, not the guard, fails it today (with or without the hook): inductor's
-    # first compile leaves its worker threads running after forward returns.
+    # Inductor's first compile leaves its worker threads (and tqdm's monitor) running after
+    # forward returns: started by torch, so not the candidate's.
     errors = {f["check"] for f in report["findings"] if f["severity"] == "error"}
-    assert errors <= {"validation.threads"}, report["findings"]
+    assert errors == set(), report["findings"]
+    assert report["passed"] is True
 
 
 @pytest.mark.anyio

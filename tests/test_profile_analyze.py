@@ -70,7 +70,11 @@ async def test_profile_a_task_then_analyze_by_id(server):
         assert prof["top_ops"], prof  # CPU ops are recorded even without a GPU
         analyzed = await client.call_tool("analyze_trace", {"trace": prof["trace_id"]})
         assert analyzed.is_error is False, analyzed.content
-        assert analyzed.structured_content["analysis"]["source_format"] == "kineto"
+        analysis = analyzed.structured_content["analysis"]
+        assert analysis["source_format"] == "kineto"
+        # profile's headline and analyze_trace rank the same ops, on a GPU run or a CPU one.
+        assert [o["name"] for o in analysis["top_ops"][:3]] == [o["name"] for o in prof["top_ops"][:3]]
+        assert analysis["findings"], analysis
 
 
 @pytest.mark.anyio

@@ -43,6 +43,10 @@ CHEATS = {
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("redteam")
     shutil.copytree(REDTEAM, root / "redteam")
+    # These tests look at what the candidate does while timed, not at the CI: two blocks of
+    # fresh arm processes each (the fewest allowed) keep every CPU benchmark short.
+    (root / "home").mkdir()
+    (root / "home" / "loom.toml").write_text("[gate]\nwall_clock_blocks = 2\nwall_clock_max_blocks = 2\n")
     return root
 
 

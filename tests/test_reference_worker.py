@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from loom_mcp.worker import reference
+from loom_mcp.worker import handoff, reference
 from loom_mcp.worker.harness import load_module
 from loom_mcp.worker.protocol import publish_go
 
@@ -26,11 +26,11 @@ TASK = str(REPO / "kernels" / "rmsnorm" / "task.py")
 SHAPES = ["decode_t1_h4096", "decode_t8_h4000_fp32"]
 
 
-def _outputs(cases_file: Path, corrupt_index: int | None) -> list[list[torch.Tensor]]:
+def _outputs(cases_dir: Path, corrupt_index: int | None) -> list[list[torch.Tensor]]:
     """What an honest candidate returns (the task's own Model), one case made wrong."""
     task = load_module(TASK, "rmsnorm_task_for_test")
     outputs = []
-    for index, case in enumerate(torch.load(cases_file, weights_only=True)["cases"]):
+    for index, case in enumerate(handoff.read_bundle(cases_dir)):
         model = task.Model(*case["init_inputs"])
         model.load_state_dict(case["state_dict"])
         with torch.no_grad():
@@ -46,11 +46,11 @@ def _validate_as_the_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     """Run the worker's `validate`; once it says the inputs are written, save what `candidate`
     returns for them and tell the worker the candidate has exited."""
     monkeypatch.setenv("LOOM_GO_SIGNER", TOKEN)
-    cases_file, outputs_file = tmp_path / "cases.pt", tmp_path / "outputs.pt"
+    cases_dir, outputs_dir = tmp_path / "cases", tmp_path / "outputs"
     cand_go, ref_go = tmp_path / "cand.go", tmp_path / "ref.go"
     box: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: box.update(result=reference.validate({
-        **request, "cases_file": str(cases_file), "outputs_file": str(outputs_file),
+        **request, "cases_dir": str(cases_dir), "outputs_dir": str(outputs_dir),
         "cand_go_file": str(cand_go), "go_file": str(ref_go)})))
     worker.start()
     deadline = time.monotonic() + 120
@@ -58,7 +58,7 @@ def _validate_as_the_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         time.sleep(0.01)
     assert cand_go.exists(), "the worker never signalled that the inputs are written"
     assert not ref_go.exists()
-    torch.save({"outputs": candidate(cases_file)}, outputs_file)
+    handoff.write_bundle(outputs_dir, candidate(cases_dir))
     publish_go(str(ref_go), {}, TOKEN)
     worker.join(120)
     return box["result"]
@@ -74,7 +74,7 @@ def test_compare_gives_the_same_verdicts_whether_references_are_computed_ahead_o
     if ahead_host_bytes is not None:
         request["ahead_host_bytes"] = ahead_host_bytes  # 1 byte: only the first case ahead
     result = _validate_as_the_candidate(tmp_path, monkeypatch, request,
-                                        lambda cases_file: _outputs(cases_file, corrupt_index=1))
+                                        lambda cases_dir: _outputs(cases_dir, corrupt_index=1))
     assert [c["shape"]["name"] for c in result["planned"]] == [SHAPES[0]] * 2 + [SHAPES[1]] * 2
     passed = [all(o["passed"] for o in case["outputs"]) for case in result["cases"]]
     assert passed == [True, False, True, True]
@@ -114,7 +114,6 @@ def test_running_out_of_memory_ahead_of_the_candidate_is_not_a_reference_failure
         tmp_path, monkeypatch,
         {"task": str(task), "seeds": 2, "shapes": None, "device": "cpu",
          "tolerances": {"float32": {"atol": 1e-4, "rtol": 1e-4}}, "ahead_host_bytes": 1 << 30},
-        lambda cases_file: [[case["inputs"][0] * 2]
-                            for case in torch.load(cases_file, weights_only=True)["cases"]])
+        lambda cases_dir: [[case["inputs"][0] * 2] for case in handoff.read_bundle(cases_dir)])
     assert [case["error"] for case in result["cases"]] == [None, None]
     assert all(o["passed"] for case in result["cases"] for o in case["outputs"])

@@ -564,5 +564,6 @@ def test_compile_caches_live_in_the_code_cache(tmp_path: Path) -> None:
     env = code_cache_env(cache)
     assert env["TRITON_CACHE_DIR"] == str(cache)
     assert Path(env["TORCH_EXTENSIONS_DIR"]).parent == cache
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == cache  # torch.compile's, too
     assert code_cache(tmp_path / "jobs" / "v2", a) == cache  # another job, same bytes
     assert code_cache(run, b) != cache

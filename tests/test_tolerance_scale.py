@@ -163,8 +163,10 @@ def test_the_workers_verdict_and_a_tasks_own_check(tmp_path, monkeypatch, with_c
     request = {"task": str(task), "seeds": 2, "shapes": None, "device": "cpu",
                "tolerances": {"fp32": FP32}}
 
-    def zeros(cases_file):
-        cases = torch.load(cases_file, weights_only=True)["cases"]
+    def zeros(cases_dir):
+        from loom_mcp.worker import handoff
+
+        cases = handoff.read_bundle(cases_dir)
         return [[torch.zeros_like(case["inputs"][0])] for case in cases]
 
     result = _validate_as_the_candidate(tmp_path, monkeypatch, request, zeros)
@@ -175,3 +177,27 @@ def test_the_workers_verdict_and_a_tasks_own_check(tmp_path, monkeypatch, with_c
         assert out["ref_norm_rel_err"] < 1e-5 and out["atol_effective"] < 1e-4
         assert out["passed"] is with_check
         assert (out["message"] is None) is with_check
+
+
+def test_an_honest_gemm_whose_own_error_exceeds_atol_passes():
+    """fp32 GEMM on inputs x 64: PyTorch's own fp32 result misses the float64 one by more than
+    fp32's atol near zero outputs. The same product summed in another order (two halves of K) is
+    as accurate and passes; the allowance is reported as widened, and a real bug still fails."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 2048, generator=g) * 64, torch.randn(2048, 96, generator=g) * 64
+    native, exact = a @ b, a.double() @ b.double()
+    other = a[:, :1024] @ b[:1024] + a[:, 1024:] @ b[1024:]
+    plain = (other.double() - exact).abs() > FP32["atol"] + FP32["rtol"] * exact.abs()
+    assert plain.any()  # the task's tolerance alone rejects PyTorch-grade accuracy
+    result = compare(other, native, exact, FP32)
+    assert result["passed"], result["message"]
+    assert result["ref_max_abs_err"] > FP32["atol"]
+    assert result["atol_effective"] == pytest.approx(ref.REF_ERROR_FACTOR * result["ref_max_abs_err"])
+    assert result["ref_norm_rel_err"] > 0 and result["norm_rel_err"] > 0
+    wrong = other.clone()
+    wrong[0, 0] += 100 * result["ref_max_abs_err"]
+    failed = compare(wrong, native, exact, FP32)
+    assert not failed["passed"] and failed["mismatched"] == 1
+    assert "widened from 0.0001" in failed["message"]
+    for cheat in (torch.zeros_like(native), native * 0.999):
+        assert not compare(cheat, native, exact, FP32)["passed"]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import anyio
 import pytest
-import torch
 
 from loom_mcp.sandbox import JobSpec, run_job, runner, warm
+from loom_mcp.worker import handoff
 from loom_mcp.worker.reference import derive_seed
 
 TASK = '''
@@ -62,7 +62,7 @@ def _template(tmp_path: Path) -> JobSpec:
 
 def _request(task: Path, worker) -> dict:
     return {"mode": "prepare_bench", "task": str(task), "shapes": None,
-            "cases_file": str(worker.job_dir / "sets.pt"), "max_sets": 2}
+            "cases_file": str(worker.job_dir / "sets"), "max_sets": 2}
 
 
 @pytest.mark.anyio
@@ -85,7 +85,7 @@ async def test_a_prewarmed_worker_is_taken_and_runs_its_job_with_the_secret_from
     # Its timeline: torch was imported before the job was given, the result came after.
     assert result.marks["torch_imported"] <= result.marks["dispatched"] <= result.marks["result"]
     assert "dispatched +" in result.timeline(result.marks["torch_imported"])
-    sets = torch.load(worker.job_dir / "sets.pt", weights_only=True)["shapes"][0]["sets"]
+    sets = handoff.read_bundle(worker.job_dir / "sets")["shapes"][0]["sets"]
     assert [s["seed"] for s in sets] == [derive_seed(nonce, "small", 1000), derive_seed(nonce, "small", 1001)]
     # The secret never touched the disk: the request file has no nonce.
     assert str(nonce) not in (worker.job_dir / "request.json").read_text()

@@ -19,7 +19,7 @@ async def main() -> None:
     from loom_mcp.config import load_config
     from loom_mcp.server import open_services
 
-    task, cand, shapes = sys.argv[1], sys.argv[2], sys.argv[3:] or None
+    task, cand, shapes = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3:] or None
     home = Path(tempfile.mkdtemp())
     config = load_config(home, environ={"LOOM_ALLOWED_ROOTS": os.pathsep.join(["/tmp", str(Path(task).resolve().parents[2])])})
     services = open_services(config)

@@ -20,10 +20,27 @@ Bootstrap design (the decision and why):
   ratios of replicate b). Per-shape CIs come from the same replicates, so they agree.
 * The RNG is seeded (`GateConfig.bootstrap_seed`): the same samples always give the same CI, so
   a verdict can be reproduced from its stored samples.
+
+Blocks (CPU wall clock):
+
+* On a CPU a process keeps a bias of a few percent for its whole life (core placement, memory
+  layout, allocator state): an identical candidate read 0.952 [0.949, 0.955] in one run and
+  1.043 [1.039, 1.046] in the next. Samples within one process pair are independent of nothing
+  that matters, so any CI over samples is far too narrow. The unit of replication is a *block*:
+  a fresh timer and pair of arm processes. Each block gives one log ratio of medians per shape.
+* The CI is a Student t interval of the mean of the blocks' log ratios (per shape; for the
+  geomean, of each block's mean over shapes). With 4-8 blocks a bootstrap over blocks is too
+  narrow (a percentile bootstrap of 4 values covers far less than 95 %); the t interval is exact
+  when the log ratios are normal.
+* Blocks are added until the geomean CI's relative half-width is below
+  `wall_clock_ci_target`, from `wall_clock_blocks` up to `wall_clock_max_blocks`. The rule looks
+  at the width only, never at which side of the threshold the estimate lies, so it does not
+  shop for a verdict.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -161,6 +178,7 @@ class FilteredSamples:
     candidate: np.ndarray
     throttled_dropped: int
     outliers_dropped: int
+    blocks: np.ndarray | None = None  # each kept pair's block, when the pairs came in blocks
 
     @property
     def paired(self) -> bool:
@@ -197,19 +215,23 @@ def filter_pairs(
     candidate: ArrayLike,
     throttled: Sequence[bool] | None = None,
     iqr_k: float | None = None,
+    blocks: Sequence[int] | None = None,
 ) -> FilteredSamples:
     """Paired arms: drop whole pairs, so the survivors stay paired.
 
     A pair goes if it was taken while throttled, or (with iqr_k) if either arm's sample is a
     Tukey outlier within its own arm. Counts are samples (a dropped pair counts 2), the unit
     BenchmarkEvidence reports. Arms of unequal length cannot be
-    paired; they are filtered per arm (throttle flags then cannot apply).
+    paired; they are filtered per arm (throttle flags and block labels then cannot apply).
     """
     b = _as_array(baseline, "baseline samples")
     c = _as_array(candidate, "candidate samples")
+    labels = None if blocks is None else np.asarray(blocks, dtype=np.int64).ravel()
+    if labels is not None and labels.size != b.size:
+        raise ValueError("need one block label per pair")
     if b.size != c.size:
-        if throttled is not None:
-            raise ValueError("throttle flags need paired arms of equal length")
+        if throttled is not None or labels is not None:
+            raise ValueError("throttle flags and block labels need paired arms of equal length")
         bk, _, bo = filter_samples(b, None, iqr_k)
         ck, _, co = filter_samples(c, None, iqr_k)
         return FilteredSamples(bk, ck, 0, bo + co)
@@ -226,7 +248,8 @@ def filter_pairs(
         inner = iqr_keep_mask(b[idx], iqr_k) & iqr_keep_mask(c[idx], iqr_k)
         outliers_dropped = 2 * int((~inner).sum())
         keep[idx[~inner]] = False
-    return FilteredSamples(b[keep], c[keep], throttled_dropped, outliers_dropped)
+    return FilteredSamples(b[keep], c[keep], throttled_dropped, outliers_dropped,
+                           None if labels is None else labels[keep])
 
 
 # ---------------------------------------------------------------- bootstrap
@@ -413,6 +436,84 @@ def _joint(
     return estimates, per_shape, combined
 
 
+# ---------------------------------------------------------------- blocks (CPU wall clock)
+
+
+def block_log_ratios(baseline: ArrayLike, candidate: ArrayLike, blocks: ArrayLike) -> dict[int, float]:
+    """log(median(baseline) / median(candidate)) within each block, keyed by block, ascending."""
+    b = _as_array(baseline, "baseline samples")
+    c = _as_array(candidate, "candidate samples")
+    labels = np.asarray(blocks, dtype=np.int64).ravel()
+    if not b.size == c.size == labels.size:
+        raise ValueError("block ratios need paired arms and one block label per pair")
+    if np.any(b <= 0) or np.any(c <= 0):
+        raise ValueError("times must be positive")
+    return {int(k): float(np.log(np.median(b[labels == k])) - np.log(np.median(c[labels == k])))
+            for k in np.unique(labels)}
+
+
+@functools.lru_cache(maxsize=256)
+def _t_quantile(level: float, dof: int) -> float:
+    from scipy import stats as scipy_stats  # type: ignore[import-untyped]  # ~0.3 s: on first use
+
+    return float(scipy_stats.t.ppf(0.5 + level / 2, dof))
+
+
+def block_t_ci(log_ratios: ArrayLike, level: float = 0.95) -> RatioCI:
+    """Speedup exp(mean) of per-block log ratios, with a Student t interval on k - 1 degrees of
+    freedom: each block is one replicate, whatever its number of samples."""
+    x = _as_array(log_ratios, "block log ratios")
+    if x.size < 2:
+        raise ValueError("a CI across blocks needs at least 2 blocks")
+    mean = float(np.mean(x))
+    half = _t_quantile(level, int(x.size) - 1) * float(np.std(x, ddof=1)) / float(np.sqrt(x.size))
+    return RatioCI(estimate=float(np.exp(mean)), ci_low=float(np.exp(mean - half)),
+                   ci_high=float(np.exp(mean + half)), level=level, resamples=0, method="block_t")
+
+
+@dataclass(frozen=True)
+class BlockCIs:
+    per_shape: list[RatioCI]
+    geomean: RatioCI
+    shape_ratios: list[list[float]]  # per shape, the speedup in each of its blocks
+    geomeans: list[float]  # per block with every shape timed, the geomean speedup
+
+
+def block_cis(kept: Sequence[FilteredSamples], level: float) -> BlockCIs | None:
+    """Per-shape and geomean CIs across blocks; None when a shape, or the blocks every shape was
+    timed in, number fewer than 2 (then only the bootstrap over samples is left)."""
+    if not kept or any(f.blocks is None for f in kept):
+        return None
+    per_block = [block_log_ratios(f.baseline, f.candidate, f.blocks) for f in kept]  # type: ignore[arg-type]
+    complete = sorted(set.intersection(*(set(r) for r in per_block)))
+    if len(complete) < 2 or any(len(r) < 2 for r in per_block):
+        return None
+    joint = [float(np.mean([r[k] for r in per_block])) for k in complete]
+    return BlockCIs(
+        per_shape=[block_t_ci(list(r.values()), level) for r in per_block],
+        geomean=block_t_ci(joint, level),
+        shape_ratios=[[float(np.exp(v)) for v in r.values()] for r in per_block],
+        geomeans=[float(np.exp(v)) for v in joint],
+    )
+
+
+def relative_half_width(ci: RatioCI) -> float:
+    """Half the CI's width on the log scale, as a fraction of the estimate."""
+    return float(np.expm1((np.log(ci.ci_high) - np.log(ci.ci_low)) / 2))
+
+
+def more_blocks_needed(blocks_done: int, shapes: Sequence[ShapeSamples], config: GateConfig) -> bool:
+    """The stopping rule across blocks: always `wall_clock_blocks`, at most
+    `wall_clock_max_blocks`, in between until the geomean CI is narrower than
+    `wall_clock_ci_target` (its width only, not where it lies: see the module docstring)."""
+    if blocks_done < config.wall_clock_blocks:
+        return True
+    if blocks_done >= config.wall_clock_max_blocks:
+        return False
+    geomean_ci = analyze_shapes(shapes, config).geomean
+    return geomean_ci.method != "block_t" or relative_half_width(geomean_ci) > config.wall_clock_ci_target
+
+
 # ---------------------------------------------------------------- physical floor
 
 
@@ -453,6 +554,7 @@ class BenchmarkStats(BaseModel):
     geomean: RatioCI
     throttled_samples_dropped: int
     outliers_dropped: int
+    block_geomeans: list[float] | None = None
 
 
 def analyze_shapes(
@@ -464,29 +566,36 @@ def analyze_shapes(
 ) -> BenchmarkStats:
     """Filter, summarize and bootstrap every shape, then the geomean, under the gate's settings.
 
-    peak_flops should be the peak for the task's compute dtype; the floor is per shape.
+    peak_flops should be the peak for the task's compute dtype; the floor is per shape. Shapes
+    whose pairs carry block labels get CIs across blocks (see the module docstring).
     """
     config = config or GateConfig()
     if not shapes:
         raise ValueError("no shapes to analyze")
     kept: list[FilteredSamples] = []
     for shape in shapes:
-        f = filter_pairs(shape.baseline_s, shape.candidate_s, shape.throttled, config.outlier_iqr_k)
+        f = filter_pairs(shape.baseline_s, shape.candidate_s, shape.throttled, config.outlier_iqr_k,
+                         shape.blocks)
         if f.baseline.size == 0 or f.candidate.size == 0:
             raise ValueError(
                 f"shape {shape.name!r}: no samples left after dropping {f.throttled_dropped} "
                 f"throttled and {f.outliers_dropped} outlier samples"
             )
         kept.append(f)
-    _, per_shape, combined = _joint(
-        [(f.baseline, f.candidate) for f in kept],
-        level=config.ci_level,
-        resamples=config.bootstrap_resamples,
-        seed=config.bootstrap_seed,
-        paired=None,
-    )
+    blocked = block_cis(kept, config.ci_level)
+    block_ratios: list[list[float] | None] = [None] * len(kept)
+    if blocked is not None:
+        per_shape, combined, block_ratios = blocked.per_shape, blocked.geomean, [*blocked.shape_ratios]
+    else:
+        _, per_shape, combined = _joint(
+            [(f.baseline, f.candidate) for f in kept],
+            level=config.ci_level,
+            resamples=config.bootstrap_resamples,
+            seed=config.bootstrap_seed,
+            paired=None,
+        )
     timings: list[ShapeTiming] = []
-    for shape, f, ci in zip(shapes, kept, per_shape, strict=True):
+    for shape, f, ci, ratios in zip(shapes, kept, per_shape, block_ratios, strict=True):
         cand = summarize(f.candidate)
         floor = physical_floor(shape.bytes_moved, shape.flops, peak_bandwidth, peak_flops)
         timings.append(
@@ -501,6 +610,7 @@ def analyze_shapes(
                 outliers_dropped=f.outliers_dropped,
                 stop_reason=shape.stop_reason,
                 sampling_s=shape.sampling_s,
+                block_ratios=ratios,
             )
         )
     return BenchmarkStats(
@@ -508,4 +618,5 @@ def analyze_shapes(
         geomean=combined,
         throttled_samples_dropped=sum(f.throttled_dropped for f in kept),
         outliers_dropped=sum(f.outliers_dropped for f in kept),
+        block_geomeans=blocked.geomeans if blocked is not None else None,
     )

@@ -58,6 +58,7 @@ async def compile_source(
     timeout_s: float,
     toolchain: Toolchain,
     progress: Progress | None = None,
+    task_globals: dict | None = None,
 ) -> CompileResult:
     started = time.perf_counter()
     data = safefs.read_resolved_bytes(source)  # resolved and checked by the caller
@@ -65,6 +66,8 @@ async def compile_source(
         compiler = f"triton {toolchain.triton or 'unknown'}"
         effective_target = target or ("interpreter" if device == "cpu" else device)
         extra = safefs.read_resolved_bytes(task) if task else b""
+        if task_globals:  # they size the shape the kernels are specialized on
+            extra += orjson.dumps(task_globals, option=orjson.OPT_SORT_KEYS)
     else:
         # The toolchain probe (cached) already located the compiler and read its version.
         tool = "nvcc" if language == "cuda" else "hipcc"
@@ -87,7 +90,7 @@ async def compile_source(
     job_dir.mkdir(parents=True, exist_ok=True)
     if language == "triton":
         result = await _compile_triton(source, task, device, job_dir, timeout_s, compiler,
-                                       effective_target, progress)
+                                       effective_target, progress, task_globals)
     else:
         result = await _compile_native(source, language, status.path, effective_target, flags,
                                        job_dir, timeout_s, compiler, artifacts, progress)
@@ -138,7 +141,7 @@ async def _compile_native(source, language, tool_path, target, flags, job_dir, t
 
 
 async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, target,
-                          progress) -> CompileResult:
+                          progress, task_globals=None) -> CompileResult:
     device, env, visible = job_placement(device)
     cache = code_cache(job_dir, Path(source))
     job = await run_job(JobSpec(
@@ -147,7 +150,7 @@ async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, ta
         readable=[source.parent, *([task.parent] if task else [])],  # the file imports siblings
         visible_devices=visible,
         timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
-                                      "device": device},
+                                      "device": device, "task_globals": task_globals or {}},
     ), on_progress=progress)
     if (over := limit_error(job, f"compiling {source.name}")) is not None:
         raise over
@@ -157,6 +160,9 @@ async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, ta
     if report is None:
         raise LoomError(ErrorCode.WORKER_CRASHED,
                         f"the compile worker died ({job.signal or job.returncode}): {job.stderr_tail[-800:]}")
+    if report.get("task_error"):
+        raise LoomError(ErrorCode.BAD_INPUT, f"the task failed before the candidate ran (building "
+                        f"inputs for its first shape): {report['task_error']}; fix the task")
     diagnostics: list[CompileDiagnostic] = []
     if report["error"]:
         diagnostics.append(CompileDiagnostic(severity="error", message=report["error"],

@@ -55,7 +55,9 @@ def analyze(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, trace:
     analysis.artifact_dir = None  # a server path means nothing to the agent; the resource does
     if analysis.findings:
         top = analysis.findings[0]
-        next_step = f"biggest opportunity: {top.kind} (up to {top.saving_pct:.0f}% of the span); next: {top.next_tool}"
+        of = "of the span" if analysis.timeline.gpu_events else "of host op time (a CPU trace)"
+        next_step = (f"biggest opportunity: {top.kind} (up to {top.saving_pct:.0f}% {of}); "
+                     f"next: {top.next_tool}")
     else:
         next_step = "no ranked opportunity found; profile a larger or more representative workload"
     return AnalyzeTraceResult(analysis_id=analysis_id, analysis=analysis, next_step=next_step)

@@ -127,9 +127,8 @@ async def profile_workload(
         analysis = analyze_trace_cached(artifact_path_with_suffix(artifacts, sha, suffix), top_k=5,
                                         cache_root=cache_dir / "traces")
         tl = analysis.timeline
+        # Without GPU activity the analysis ranks host ops, as analyze_trace shows them.
         top_ops = [HeadlineOp(name=o.name[:120], us=o.us, pct=o.pct) for o in analysis.top_ops[:5]]
-        if not tl.gpu_events and suffix == ".json":
-            top_ops = top_cpu_ops(scrubbed)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     result = ProfileResult(
@@ -149,27 +148,6 @@ def _staging_root(cache_dir: Path) -> Path:
     root = cache_dir / "staging"
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     return root
-
-
-def top_cpu_ops(trace: Path, n: int = 5) -> list[HeadlineOp]:
-    """A trace without GPU activity (a CPU run): the ops with the most inclusive CPU time.
-    Only top-level ops count, so nested aten calls are not counted twice."""
-    import orjson
-
-    events = orjson.loads(trace.read_bytes())
-    events = events.get("traceEvents", []) if isinstance(events, dict) else events
-    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"),
-                 key=lambda e: (e.get("tid"), e["ts"], -e.get("dur", 0)))
-    totals: dict[str, float] = {}
-    end_of_parent: dict[object, float] = {}
-    for e in ops:
-        if e["ts"] < end_of_parent.get(e.get("tid"), float("-inf")):
-            continue  # nested inside an op already counted
-        end_of_parent[e.get("tid")] = e["ts"] + e.get("dur", 0)
-        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0))
-    grand = sum(totals.values()) or 1.0
-    best = sorted(totals.items(), key=lambda kv: -kv[1])[:n]
-    return [HeadlineOp(name=k[:120], us=round(v, 3), pct=round(100 * v / grand, 2)) for k, v in best]
 
 
 def artifact_path_with_suffix(artifacts: ArtifactStore, sha: str, suffix: str) -> Path:

@@ -8,6 +8,8 @@ LOOM_HOME/reports/<campaign_id>/. Every number comes from a stored record.
 from __future__ import annotations
 
 import math
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,10 @@ class _M(BaseModel):
 class Attempt(_M):
     submission_id: str
     status: str
+    task: str
     candidate: str
+    config_fingerprint: str | None = Field(
+        default=None, description="The policy in force when this attempt was judged (null: not recorded)")
     speedup: float | None = None
     ci_low: float | None = None
     ci_high: float | None = None
@@ -85,7 +90,8 @@ def classify(row: dict) -> str:
 
 def _attempt(row: dict) -> Attempt:
     v = _verdict(row)
-    return Attempt(submission_id=row["id"], status=row["status"], candidate=row["candidate"],
+    return Attempt(submission_id=row["id"], status=row["status"], task=row["task"],
+                   candidate=row["candidate"], config_fingerprint=row.get("config_fingerprint"),
                    speedup=v.get("speedup"), ci_low=v.get("speedup_ci_low"), ci_high=v.get("speedup_ci_high"),
                    reasons=v.get("reasons", [])[:6], validation_id=row["validation_id"],
                    benchmark_id=row["benchmark_id"], commit=row["commit_sha"])
@@ -142,25 +148,99 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         "server_config_fingerprint": config.fingerprint(),
         "device": {k: v for k, v in ((last_bench or {}).get("device") or {}).items()
                    if k in ("vendor", "name", "arch", "driver_version", "runtime_version",
-                            "memory_total_bytes", "uuid")} or None,
-        "toolchain": (toolchain or {}).get("toolchain", toolchain),
+                            "memory_total_bytes", "uuid") and v is not None} or None,
+        "toolchain": _compact_toolchain((toolchain or {}).get("toolchain", toolchain)),
         "base_commit": campaign["base_commit"],
         "branch_tip": tip if tip != campaign["base_commit"] else None,
     }
+    policies = list(dict.fromkeys(a.config_fingerprint for a in attempts if a.config_fingerprint))
+    if len(policies) > 1:
+        warnings.append("the policy changed during the campaign: attempts were judged under "
+                        f"config fingerprints {', '.join(policies)} (see each attempt's)")
     if warnings:
         fingerprint["warnings"] = warnings
+    from loom_mcp.campaigns import campaign_task_globals
+
     reproduce = []
     for a in accepted:
-        reproduce.append(f"git -C {repo} worktree add /tmp/{a.submission_id} {a.commit}")
-        task = next(r["task"] for r in rows if r["id"] == a.submission_id)
-        reproduce.append(f"loom-mcp check --task {task} --candidate /tmp/{a.submission_id}/"
-                         f"{_repo_rel(repo, a.candidate)}   # validation + benchmark, prints JSON")
+        reproduce += reproduce_commands(config, repo, a, campaign_task_globals(campaign))
     return CampaignReport(
         campaign_id=campaign_id, goal=campaign["goal"], repo=str(repo), base_commit=campaign["base_commit"],
         branch=campaign["branch"], branch_tip=fingerprint["branch_tip"], accepted=accepted,
         cumulative_speedup=cumulative, attempts=attempts, outcome_rates=rates, tools=tools,
         budgets={"limit": budgets, "used": {k: round(v, 3) for k, v in used.items()}},
         fingerprint=fingerprint, reproduce=reproduce, files={})
+
+
+def _compact_toolchain(toolchain: Any) -> Any:
+    """The toolchain as found: tools that were looked for and are absent are named in one list,
+    and no null field is kept."""
+    if not isinstance(toolchain, dict):
+        return toolchain
+    compact = dict(toolchain)
+    tools = compact.pop("tools", None)
+    if isinstance(tools, list):
+        found = [t for t in tools if isinstance(t, dict) and t.get("found")]
+        missing = [str(t.get("name")) for t in tools if isinstance(t, dict) and not t.get("found")]
+        compact["tools"] = [{k: v for k, v in t.items() if k != "found"} for t in found]
+        if missing:
+            compact["not_found"] = missing
+    return _without_nulls(compact)
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with null entries dropped, and the containers left empty by that, recursively."""
+    if isinstance(value, dict):
+        kept = {k: _without_nulls(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in (None, {}, [])} or None
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value if v is not None]
+    return value
+
+
+def reproduce_commands(config: LoomConfig, repo: Path, attempt: Attempt,
+                       task_globals: dict[str, Any]) -> list[str]:
+    """Shell lines that re-judge an accepted attempt from its commit, runnable as printed: the
+    worktree (and the task's directory, when the task is outside the repository) are made
+    allowed roots for that one command, since `loom-mcp check` refuses any other path, and
+    the report's LOOM_HOME is named so its loom.toml policy applies."""
+    worktree = f"/tmp/loom-{attempt.submission_id}"
+    roots = [worktree]
+    task_rel = _inside(repo, attempt.task)
+    # A task never committed (judged from its snapshot) is not in the worktree: use it in place.
+    if task_rel is not None and _committed(repo, attempt.commit, task_rel):
+        task = f"{worktree}/{task_rel}"
+    else:
+        task = attempt.task
+        roots.append(str(Path(attempt.task).parent))
+    candidate = f"{worktree}/{_repo_rel(repo, attempt.candidate)}"
+    sets = "".join(f" --set {shlex.quote(f'{k}={orjson.dumps(v).decode()}')}"
+                   for k, v in task_globals.items())
+    q = shlex.quote
+    return [
+        f"git -C {q(str(repo))} worktree add --detach {q(worktree)} {attempt.commit}",
+        f"LOOM_ALLOWED_ROOTS={q(os.pathsep.join(roots))} loom-mcp --home {q(str(config.home))} "
+        f"check --task {q(task)} --candidate {q(candidate)}{sets}"
+        "   # validation + benchmark under this LOOM_HOME's policy; prints JSON",
+        f"git -C {q(str(repo))} worktree remove --force {q(worktree)}",
+    ]
+
+
+def _committed(repo: Path, commit: str | None, rel: str) -> bool:
+    import git
+
+    try:
+        git.Repo(repo).commit(commit).tree.join(rel)
+    except (KeyError, ValueError, git.GitError):
+        return False
+    return True
+
+
+def _inside(repo: Path, path: str) -> str | None:
+    try:
+        return Path(path).resolve().relative_to(repo.resolve()).as_posix()
+    except ValueError:
+        return None
 
 
 def _repo_rel(repo: Path, path: str) -> str:
@@ -182,9 +262,11 @@ def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     for a in report.accepted:
         rec = _record(ledger, artifacts, a.benchmark_id)
         if rec:
-            shapes.append((a.submission_id, rec["evidence"]["shapes"]))
+            label = f"task {_short_path(report.repo, a.task)}, {Path(a.candidate).name} ({a.submission_id})"
+            shapes.append((label, rec["evidence"]["shapes"]))
     if shapes:
-        files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png"))
+        files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png",
+                                                f"Campaign {campaign_id}: {report.goal}"))
         roofline = roofline_plot(shapes, out / "roofline.png")
         if roofline:
             files["roofline_png"] = str(roofline)
@@ -215,6 +297,32 @@ def latest_breakdown(config: LoomConfig, ledger: Ledger, campaign_id: str) -> Pa
     return None
 
 
+# Reasons per attempt in the Markdown table; the JSON report has them whole.
+REASONS_CHARS = 400
+
+
+def clip_words(text: str, limit: int) -> str:
+    """`text` cut at a word boundary to at most `limit` characters, an ellipsis marking the cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ;,.:") + "…"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _short_path(repo: str, path: str) -> str:
+    """A path relative to the campaign repository when inside it, else as given."""
+    inside = _inside(Path(repo), path)
+    return inside if inside is not None else path
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -225,14 +333,20 @@ def render_markdown(r: CampaignReport) -> str:
              + (f" at `{r.branch_tip[:12]}`" if r.branch_tip else " (nothing accepted yet)"), ""]
     lines += ["## Accepted chain", ""]
     if r.accepted:
-        lines += ["| submission | candidate | speedup | 95% CI | commit |", "|---|---|---|---|---|"]
-        lines += [f"| {a.submission_id} | `{Path(a.candidate).name}` | {_fmt(a.speedup)}x | "
+        lines += ["| submission | task | candidate | speedup | 95% CI | commit |", "|---|---|---|---|---|---|"]
+        lines += [f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
+                  f"`{_cell(_short_path(r.repo, a.candidate))}` | {_fmt(a.speedup)}x | "
                   f"[{_fmt(a.ci_low)}, {_fmt(a.ci_high)}] | `{(a.commit or '')[:12]}` |" for a in r.accepted]
         lines += ["", f"Cumulative (product of accepted geomeans): **{_fmt(r.cumulative_speedup)}x**", ""]
     else:
         lines += ["None.", ""]
-    lines += ["## Every attempt", "", "| submission | verdict | speedup | reasons |", "|---|---|---|---|"]
-    lines += [f"| {a.submission_id} | {a.status} | {_fmt(a.speedup)} | {'; '.join(a.reasons)[:300] or '—'} |"
+    lines += ["## Every attempt", "",
+              "| submission | task | candidate | verdict | speedup | policy | reasons |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
+              f"`{_cell(_short_path(r.repo, a.candidate))}` | {a.status} | {_fmt(a.speedup)} | "
+              f"{f'`{a.config_fingerprint[:12]}`' if a.config_fingerprint else '—'} | "
+              f"{_cell(clip_words('; '.join(a.reasons), REASONS_CHARS)) or '—'} |"
               for a in r.attempts]
     lines += ["", "## Outcomes and tools", ""]
     lines += [f"- {k}: {v:.0%}" for k, v in r.outcome_rates.items()] or ["- no submissions"]

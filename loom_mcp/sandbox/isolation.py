@@ -397,6 +397,12 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0].decode()
 
 
+def parent_pid(pid: int) -> int | None:
+    """A process's parent, or None if it is gone."""
+    st = _stat(pid)
+    return st[0] if st else None
+
+
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

@@ -23,10 +23,12 @@ def code_cache(job_dir: Path, code: Path) -> Path:
 
 
 def code_cache_env(cache: Path) -> dict[str, str]:
-    """Where a job's compilers keep what they build, all inside `cache`: Triton's kernels and
+    """Where a job's compilers keep what they build, all inside `cache`: Triton's kernels,
     torch.utils.cpp_extension's builds (load_inline), whose default under HOME is read-only
-    in the sandbox."""
-    return {"TRITON_CACHE_DIR": str(cache), "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions")}
+    in the sandbox, and torch.compile's (inductor's default is under the job's private TMPDIR,
+    so validation and each benchmark arm compiled the same graphs again)."""
+    return {"TRITON_CACHE_DIR": str(cache), "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
 
 
 class JobSpec(BaseModel):

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from loom_mcp.traces.categories import CATEGORIES, classify, short_name
+from loom_mcp.traces.categories import CATEGORIES, classify, op_category, short_name
 from loom_mcp.traces.events import KIND_KERNEL, OpSig, TraceData
 from loom_mcp.traces.linking import Links
 from loom_mcp.traces.perfmodels import Work, model, shapes_label
@@ -207,3 +207,63 @@ def category_stats(kernels: list[KernelStat]) -> list[CategoryStat]:
         if len(s.top) < 3:
             s.top.append(k.short)
     return sorted(stats.values(), key=lambda s: -s.time_us)
+
+
+# The profiler's own per-step marker spans every op of its step: as a "top-level op" it would
+# hide everything under it.
+_STEP_MARKER = "ProfilerStep#"
+
+
+def host_op_groups(td: TraceData) -> list[OpGroup]:
+    """A trace without GPU activity (a CPU run): host ops grouped by signature, each op's own
+    inclusive time counted only when no other op encloses it on its thread, so nested aten
+    calls are not counted twice. Largest first; `via` is "op", `kernels` 0."""
+    n = len(td.o_ts)
+    if n == 0:
+        return []
+    sig = td.np("o_sig").astype(np.int64)
+    ts = td.np("o_ts")
+    dur = td.np("o_dur")
+    thread = td.np("o_thread")
+    marker = np.array([s.name.startswith(_STEP_MARKER) for s in td.sigs], dtype=bool)
+    keep = ~marker[sig]
+    top = np.zeros(n, dtype=bool)
+    for t in np.unique(thread[keep]).tolist():
+        idx = np.flatnonzero(keep & (thread == t))
+        # Enclosing ops first when two start together.
+        idx = idx[np.lexsort((-dur[idx], ts[idx]))]
+        end = -np.inf
+        for i in idx.tolist():
+            if ts[i] >= end:
+                top[i] = True
+                end = ts[i] + dur[i]
+    if not top.any():
+        return []
+    uniq, inv = np.unique(sig[top], return_inverse=True)
+    time = np.bincount(inv, weights=dur[top], minlength=len(uniq))
+    calls = np.bincount(inv, minlength=len(uniq))
+    first = np.full(len(uniq), np.inf)
+    np.minimum.at(first, inv, ts[top])
+    groups: list[OpGroup] = []
+    for i, k in enumerate(uniq.tolist()):
+        s = td.sigs[k]
+        work = model(s)
+        grp = OpGroup(
+            name=s.name,
+            full_name=s.name,
+            shapes=shapes_label(s),
+            via="op",
+            category=op_category(s.name),
+            calls=int(calls[i]),
+            kernels=0,
+            time_us=float(time[i]),
+            device_bytes=0,
+            sig=s,
+            work=work,
+            first_ts=float(first[i]),
+        )
+        # Host time includes dispatch and allocation: rates from it would say nothing of the
+        # op's kernel, so host groups carry no roofline placement.
+        groups.append(grp)
+    groups.sort(key=lambda g: (-g.time_us, g.first_ts))
+    return groups

@@ -14,6 +14,7 @@ from loom_mcp.traces.aggregate import (
     OpGroup,
     category_stats,
     event_categories,
+    host_op_groups,
     kernel_stats,
     op_groups,
 )
@@ -24,6 +25,7 @@ from loom_mcp.traces.findings import (
     event_label,
     find,
     host_call_during,
+    host_findings,
     memcpy_labels,
 )
 from loom_mcp.traces.linking import LinkStats, link
@@ -67,10 +69,17 @@ class FullAnalysis:
     findings: list[Finding]
     metadata_blocks: dict[str, tuple[int, int, int]]
     notes: list[str] = field(default_factory=list)
+    # Without GPU activity (a CPU run) the ops are host ops, timed by their top-level host time.
+    host_time_us: float = 0.0
 
     @property
     def gpu_time_us(self) -> float:
         return sum(k.time_us for k in self.kernels)
+
+    @property
+    def op_time_us(self) -> float:
+        """What the ops' shares are of: GPU kernel time, or host op time in a CPU trace."""
+        return self.gpu_time_us if self.kernels else self.host_time_us
 
 
 def _device_name(devices: dict[int, str], dev: int | None) -> str | None:
@@ -104,7 +113,12 @@ def analyze(path: Path) -> FullAnalysis:
         timelines.sort(key=lambda t: -t.busy_us)
     primary = timelines[0] if timelines else None
     if primary is None:
-        notes.append("no GPU activity in the trace")
+        notes.append(
+            "no GPU activity in the trace: ops ranked by top-level host time, which says "
+            "nothing of GPU speed"
+            if len(td.o_ts)
+            else "no GPU activity in the trace"
+        )
     elif len(timelines) > 1:
         notes.append(
             f"{len(timelines)} devices have GPU activity; the timeline is for the busiest "
@@ -120,7 +134,13 @@ def analyze(path: Path) -> FullAnalysis:
     categories = category_stats(kernels)
 
     findings: list[Finding] = []
-    if primary is not None:
+    host_time_us = 0.0
+    if primary is None:
+        # Every table below is built from GPU activity; a CPU trace has only host ops.
+        groups = host_op_groups(td)
+        host_time_us = sum(g.time_us for g in groups)
+        findings = host_findings(groups, host_time_us)
+    else:
         dev = td.np("g_dev")
         kmask = (dev == primary.device) & (td.np("g_kind") == KIND_KERNEL)
         chains = elementwise_chains(td, links, cat, primary.device, event_label(td, links))
@@ -153,4 +173,5 @@ def analyze(path: Path) -> FullAnalysis:
         findings=findings,
         metadata_blocks=dict(td.metadata_blocks),
         notes=notes,
+        host_time_us=host_time_us,
     )

@@ -132,6 +132,14 @@ def timeline_bucket(category: str) -> str:
     return "compute"
 
 
+def op_category(op_name: str) -> str:
+    """The category of a host op by its name alone (a CPU trace has no kernels to name)."""
+    for cat, rx in _OP_RULES:
+        if rx.search(op_name):
+            return cat
+    return OTHER
+
+
 def classify(kernel_name: str, kind: int, op_name: str | None = None) -> str:
     if kind != KIND_KERNEL:
         return MEMCPY

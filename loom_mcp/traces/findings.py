@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom_mcp.traces.aggregate import CAT_INDEX, OpGroup
-from loom_mcp.traces.categories import ATTENTION, ELEMENTWISE, GEMM, MEMCPY, short_name
+from loom_mcp.traces.categories import (
+    ATTENTION,
+    ELEMENTWISE,
+    GEMM,
+    MEMCPY,
+    NORM,
+    REDUCTION,
+    short_name,
+)
 from loom_mcp.traces.events import KIND_KERNEL, TraceData
 from loom_mcp.traces.linking import Links
 from loom_mcp.traces.models import Finding
@@ -277,3 +285,59 @@ def find(
 
 def memcpy_labels(groups: list[OpGroup]) -> list[str]:
     return [g.name for g in groups if g.category == MEMCPY][:3]
+
+
+HOST_HOTSPOT_SHARE = 0.10  # a host op worth naming on its own in a CPU trace
+HOST_HOTSPOTS = 2  # the rest are in top_ops
+_FUSABLE = (ELEMENTWISE, REDUCTION, NORM)
+
+
+def host_findings(groups: list[OpGroup], total_us: float) -> list[Finding]:
+    """Findings of a trace without GPU activity, from its top-level host ops: the ops that take
+    most of the time, and chains of separate elementwise/reduction ops that one fused kernel
+    would do in a single pass. Times are host (CPU) times: they rank the work, they say nothing
+    of GPU speed."""
+    out: list[Finding] = []
+    if total_us <= 0:
+        return out
+
+    def add(kind: str, message: str, saving: float, target: str | None) -> None:
+        if saving >= MIN_SHARE * total_us and saving > 0:
+            out.append(
+                Finding(
+                    kind=kind,
+                    message=message,
+                    saving_us=round(saving, 1),
+                    saving_pct=_pct(saving, total_us),
+                    next_tool="compile_kernel",
+                    target=target,
+                )
+            )
+
+    for g in groups[:HOST_HOTSPOTS]:
+        if g.time_us < HOST_HOTSPOT_SHARE * total_us:
+            break
+        label = f"{g.name} {g.shapes}".strip()
+        add(
+            "host_hotspot",
+            f"{label[:80]}: {_pct(g.time_us, total_us):.0f}% of host op time "
+            f"({_n(g.calls, 'call')}, {_ms(g.time_us)}): a target for a kernel of your own.",
+            g.time_us,
+            g.name[:80],
+        )
+    fusable = [g for g in groups if g.category in _FUSABLE and g.name.startswith("aten::")]
+    if len(fusable) >= CHAIN_MIN:
+        spent = sum(g.time_us for g in fusable)
+        names = ", ".join(dict.fromkeys(g.name for g in fusable[:5]))
+        # One fused pass still costs about what the largest of them does.
+        saving = spent - max(g.time_us for g in fusable)
+        add(
+            "unfused_elementwise",
+            f"{len(fusable)} separate elementwise/reduction ops ({names}) take {_ms(spent)}, "
+            f"{_pct(spent, total_us):.0f}% of host op time; each makes its own pass over memory "
+            "where one fused kernel would make one.",
+            saving,
+            names[:80],
+        )
+    out.sort(key=lambda f: -f.saving_us)
+    return out

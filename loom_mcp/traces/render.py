@@ -140,11 +140,25 @@ def plot(fa: FullAnalysis, path: Path) -> None:
             f"Timeline ({scrub_text(fa.device_name or 'device')}), total {t.total_us / 1000:.2f} ms", fontsize=9
         )
         ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
-    cats = fa.categories[:10]
-    ax2.barh(
-        [c.category for c in cats][::-1], [c.time_us / 1000 for c in cats][::-1], color="#4C72B0"
-    )
-    ax2.set_xlabel("summed kernel time (ms)")
+        cat_rows = [(c.category, c.time_us) for c in fa.categories[:10]]
+        ax2.set_xlabel("summed kernel time (ms)")
+    else:
+        # No GPU activity (a CPU run): the host ops and their categories, by top-level host time.
+        top = fa.groups[:8]
+        ax1.barh(
+            [scrub_text(f"{g.name} {g.shapes}".strip())[:40] for g in top][::-1],
+            [g.time_us / 1000 for g in top][::-1],
+            color="#4C72B0",
+        )
+        ax1.set_xlabel("host time (ms)")
+        ax1.set_title("Top host ops (no GPU activity in the trace)", fontsize=9)
+        ax1.tick_params(labelsize=7)
+        by_cat: dict[str, float] = {}
+        for g in fa.groups:
+            by_cat[g.category] = by_cat.get(g.category, 0.0) + g.time_us
+        cat_rows = sorted(by_cat.items(), key=lambda kv: -kv[1])[:10]
+        ax2.set_xlabel("host op time (ms)")
+    ax2.barh([c for c, _ in cat_rows][::-1], [us / 1000 for _, us in cat_rows][::-1], color="#4C72B0")
     ax2.set_title("Categories", fontsize=9)
     ax2.tick_params(labelsize=8)
     fig.tight_layout()

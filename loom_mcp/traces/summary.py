@@ -17,7 +17,8 @@ from loom_mcp.traces.models import (
 )
 
 # 2: names, devices and artifacts are scrubbed of secrets (entries of 1 may hold them).
-ANALYSIS_VERSION = "2"
+# 3: a trace without GPU activity lists its host ops and findings (entries of 2 have none).
+ANALYSIS_VERSION = "3"
 SUMMARY_BUDGET_BYTES = 4000
 MAX_FINDINGS = 6
 
@@ -119,7 +120,9 @@ def linking_summary(fa: FullAnalysis) -> LinkingSummary:
         graph_launches=s.graph_launches,
         unlinked_pct=unlinked_pct,
         launches_without_gpu=s.launches_without_gpu,
-        partial=op_pct < 95.0 or s.launches_without_gpu > max(50, s.host_launches // 10),
+        # Linking concerns GPU activity: a trace with none has nothing left unattributed.
+        partial=s.gpu_events > 0
+        and (op_pct < 95.0 or s.launches_without_gpu > max(50, s.host_launches // 10)),
         notes=notes,
     )
 
@@ -141,7 +144,7 @@ def metadata_note(fa: FullAnalysis) -> MetadataNote:
 
 
 def op_rows(fa: FullAnalysis, top_k: int) -> list[OpRow]:
-    tot = fa.gpu_time_us
+    tot = fa.op_time_us
     rows = []
     for g in fa.groups[: max(0, top_k)]:
         r = g.roof

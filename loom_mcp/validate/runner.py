@@ -27,7 +27,16 @@ import anyio
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, Finding, ValidationCase, ValidationEvidence
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobResult, JobSpec, code_cache, code_cache_env, run_job, safefs, warm
+from loom_mcp.sandbox import (
+    JobResult,
+    JobSpec,
+    code_cache,
+    code_cache_env,
+    policy,
+    run_job,
+    safefs,
+    warm,
+)
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.guard import findings as guard_findings
 from loom_mcp.worker.protocol import publish_go
@@ -38,6 +47,21 @@ log = logging.getLogger("loom_mcp.validate")
 
 def worker_argv(module: str) -> list[str]:
     return [sys.executable, "-m", module]
+
+
+# The per-file limit of validation's jobs. Tensors travel in files of at most this size
+# (loom_mcp.worker.handoff splits larger ones), so it bounds no problem's size.
+JOB_FILE_BYTES = JobSpec.model_fields["max_file_bytes"].default
+SMALLER_PROBLEM = ("Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
+                   "task_globals (e.g. task_globals={\"batch_size\": 16}).")
+MORE_MEMORY = " Or raise job_memory_bytes in loom.toml where the machine has the memory."
+
+
+def out_of_memory(job: JobResult) -> bool:
+    """The job ended for lack of memory: its own limit (memory_exceeded), or SIGKILL that we
+    did not send (no timeout, no cancel, no disk quota): the kernel's OOM killer."""
+    return job.memory_exceeded or (job.signal == "SIGKILL" and not job.timed_out
+                                   and not job.cancelled and not job.disk_exceeded)
 
 
 def _job_failure(name: str, job: JobResult) -> str:
@@ -54,6 +78,7 @@ async def validate_candidate(
     device: str,
     timeout_s: float,
     tolerances: dict[str, Any] | None = None,
+    task_globals: dict[str, Any] | None = None,
     validation_id: str,
     keep_warm: bool = True,
     progress: Progress | None = None,
@@ -68,7 +93,7 @@ async def validate_candidate(
     device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
     tol_table.update(tolerances or {})
-    outputs_file = job_dir / "cand" / "outputs.pt"
+    outputs_dir = job_dir / "cand" / "outputs"
     cand_cache = code_cache(job_dir, candidate)
 
     began = time.time()
@@ -77,23 +102,30 @@ async def validate_candidate(
     signals.mkdir(exist_ok=True)
     reference = await warm.take(
         JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
-                env=env, visible_devices=visible, timeout_s=timeout_s),
+                env=env, visible_devices=visible, timeout_s=timeout_s, max_file_bytes=JOB_FILE_BYTES),
         job_dir.parent / "warm", refill=keep_warm)
     # Written by the reference worker, so in its own directory (the only one it may write).
-    cases_file, cand_go = reference.job_dir / "cases.pt", reference.job_dir / "cand.go"
-    ref_request = {"mode": "validate", "task": str(task), "seeds": seeds, "shapes": shapes,
-                   "cases_file": str(cases_file), "device": device, "tolerances": tol_table,
-                   "outputs_file": str(outputs_file), "cand_go_file": str(cand_go),
-                   "go_file": str(signals / "ref.go")}
+    cases_dir, cand_go = reference.job_dir / "cases", reference.job_dir / "cand.go"
     cand_spec = JobSpec(
         argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
         env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache)},
         # its root holds its own directory (the candidate imports siblings) and the inputs
         readable=[candidate.parent, reference.job_dir],
         writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
-        request={"candidate": str(candidate), "cases_file": str(cases_file),
-                 "outputs_file": str(outputs_file), "device": device,
-                 "go_file": str(cand_go)})
+        max_file_bytes=JOB_FILE_BYTES,
+        request={"candidate": str(candidate), "cases_dir": str(cases_dir),
+                 "outputs_dir": str(outputs_dir), "device": device,
+                 "go_file": str(cand_go), "task_globals": task_globals or {}})
+    # The limits the reference sizes the job against before it makes any input.
+    cand_memory = (policy.current().memory_bytes if cand_spec.max_memory_bytes is None
+                   else cand_spec.max_memory_bytes)
+    ref_request = {"mode": "validate", "task": str(task), "seeds": seeds, "shapes": shapes,
+                   "cases_dir": str(cases_dir), "device": device, "tolerances": tol_table,
+                   "outputs_dir": str(outputs_dir), "cand_go_file": str(cand_go),
+                   "go_file": str(signals / "ref.go"), "task_globals": task_globals or {},
+                   "memory_limit_bytes": reference.memory_bytes,
+                   "candidate_memory_limit_bytes": cand_memory,
+                   "disk_limit_bytes": policy.current().disk_bytes}
     jobs = StepJobs({
         # Progress from the reference: it runs from the first moment to the last.
         "ref": lambda: warm.run_warm(reference, ref_request, timeout_s=timeout_s, on_progress=progress,
@@ -104,6 +136,18 @@ async def validate_candidate(
 
     def reference_failure(ref: JobResult) -> LoomError:
         detail = (ref.result or {}).get("error") or _job_failure("reference", ref)
+        if (ref.result or {}).get("error_code") == "RESOURCE_LIMIT":
+            return LoomError(ErrorCode.RESOURCE_LIMIT, f"validation does not fit: {detail}")
+        if out_of_memory(ref):
+            return LoomError(ErrorCode.RESOURCE_LIMIT, "the reference process ran out of memory "
+                             f"({_job_failure('reference', ref)}). {SMALLER_PROBLEM}{MORE_MEMORY}")
+        if ref.timed_out:
+            return LoomError(ErrorCode.TIMEOUT, f"the reference process timed out after "
+                             f"{ref.wall_s:.0f} s (job_timeout_s) computing and comparing every case "
+                             f"in float64. {SMALLER_PROBLEM} Or raise job_timeout_s in loom.toml.")
+        if ref.disk_exceeded:
+            return LoomError(ErrorCode.RESOURCE_LIMIT, f"the reference process {ref.limit_exceeded}"
+                             f" writing the inputs. {SMALLER_PROBLEM}")
         if "unknown shape" in detail:
             return LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0].removeprefix("ValueError: "))
         return LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
@@ -122,6 +166,12 @@ async def validate_candidate(
             reported if isinstance(reported, list) else None, cand.stderr_tail))
         log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s,
                  cand.timeline(began))
+        if cand_result is None and out_of_memory(cand) and not cand.memory_exceeded:
+            # Killed by the kernel for the machine's memory, not for its own limit: the problem
+            # is too big for this machine, whichever process the kernel picked.
+            raise LoomError(ErrorCode.RESOURCE_LIMIT, "the candidate process was killed with "
+                            "SIGKILL while it ran: the machine ran out of memory (the kernel's OOM "
+                            f"killer). {SMALLER_PROBLEM}{MORE_MEMORY}")
         if cand_result is None:
             findings.append(Finding(check="validation.crash", severity="error",
                                     message=_job_failure("candidate", cand)))
@@ -129,7 +179,7 @@ async def validate_candidate(
             findings.append(Finding(check="validation.import", severity="error",
                                     message="the candidate failed to import: " + cand_result["load_error"]))
         if (cand_result is None or cand_result.get("load_error")
-                or not safefs.is_file(job_dir, "cand/outputs.pt")):
+                or not safefs.is_file(job_dir, "cand/outputs/manifest.json")):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
         publish_go(str(signals / "ref.go"), {}, token)
@@ -153,8 +203,8 @@ async def validate_candidate(
         # The inputs and outputs are scratch (the evidence is in the ledger), and big: hundreds
         # of MB per validation that would otherwise pile up over a campaign.
         # Unlinked by name beneath their directories: no link on the way is followed.
-        safefs.discard(reference.job_dir, cases_file.name)
-        safefs.discard(job_dir, "cand/outputs.pt")
+        safefs.discard(reference.job_dir, cases_dir.name)
+        safefs.discard(job_dir, "cand/outputs")
         if reference.alive() and "ref" not in jobs.results:
             reference.discard()
     if "error" in outcome:
@@ -201,6 +251,25 @@ class StepJobs:
             self.any_done = anyio.Event()
 
 
+def _threads_message(run: dict) -> str:
+    """Which threads the candidate left running, started where, and why that fails validation.
+    Threads that torch.compile and other libraries start are not counted (see
+    harness.track_threads)."""
+    described = []
+    for t in (run.get("threads") or [])[:3]:
+        if not isinstance(t, dict):
+            continue
+        text = f"'{str(t.get('name'))[:60]}' started at {str(t.get('started_at'))[:120]}"
+        if t.get("running"):
+            text += f", running {str(t.get('running'))[:120]}"
+        described.append(text)
+    which = "; ".join(described) or f"{run['threads_added']} thread(s)"
+    return (f"forward left a thread of the candidate's running after it returned ({which}). Work "
+            "still running can change outputs after they are checked and races with the next "
+            "call: finish or join it before returning (threads that torch.compile and other "
+            "libraries start are not counted)")
+
+
 def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
                 findings: list[Finding]) -> list[ValidationCase]:
     """One ValidationCase per (case, output); behaviour checks become named findings once each."""
@@ -236,7 +305,7 @@ def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
                  "another stream or thread)")
         if run["threads_added"] > 0:
             problems.append("left threads running")
-            once("validation.threads", f"{label}: forward left {run['threads_added']} thread(s) running")
+            once("validation.threads", f"{label}: {_threads_message(run)}")
         if not comp["inputs_reproducible"]:
             once("task.nondeterministic_inputs", f"{label}: the task's get_inputs is not reproducible "
                  "from the seed; fix the task (use torch's global RNG)")
@@ -273,7 +342,7 @@ def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
                 mismatched=out["mismatched"], atol=out["atol"], rtol=out["rtol"], passed=ok,
                 atol_effective=out.get("atol_effective"), norm_rel_err=out.get("norm_rel_err"),
                 norm_rel_bound=out.get("norm_rel_bound"), ref_norm_rel_err=out.get("ref_norm_rel_err"),
-                ref_rms=out.get("ref_rms"),
+                ref_max_abs_err=out.get("ref_max_abs_err"), ref_rms=out.get("ref_rms"),
                 shape_match=out["shape_match"], nan_inf_parity=out["nan_inf_parity"],
                 output_type_ok=run["output_type_ok"] and not run["aliases_input"],
                 inputs_unchanged=run["inputs_unchanged"], deterministic=run["deterministic"],

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from loom_mcp.worker import exchange
+from loom_mcp.worker import exchange, handoff
 from loom_mcp.worker.harness import (
+    apply_task_globals,
     as_output_list,
     build_model,
     load_module,
@@ -69,6 +70,7 @@ class Arm:
             # hundreds of times slower than the other (seen on a 2-core CI machine).
             torch.set_num_threads(1)
         module = load_module(request["module"], f"loom_bench_{request['role']}")
+        apply_task_globals(module, request.get("task_globals"), strict=False)
         self.model_cls = getattr(module, request["class_name"])
         self.cases_file = request["cases_file"]
         self.shapes: list[dict] = []
@@ -82,7 +84,7 @@ class Arm:
 
     # -- setup
     def load(self, timed: bool = False, go: str | None = None) -> dict:
-        self.shapes = torch.load(self.cases_file, weights_only=True)["shapes"]
+        self.shapes = handoff.read_bundle(self.cases_file)["shapes"]
         reply: dict[str, Any] = {"shapes": len(self.shapes)}
         if timed and self.gpu:
             # Opening an event handle needs this thread's context current; it makes none itself.

@@ -9,21 +9,22 @@ An audit hook (loom_mcp.worker.guard) is installed before the candidate is impor
 refused goes back in the result's "guard" list (and to stderr as it happens), and each becomes
 an error finding.
 
-Request: {"candidate": path, "cases_file": path, "outputs_file": path, "device": "auto"}
+Request: {"candidate": path, "cases_dir": path, "outputs_dir": path, "device": "auto"}
+(inputs and outputs are tensor bundles: loom_mcp.worker.handoff)
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from typing import Any
 
 import torch
 
 from loom_mcp.worker import guard as guard_module
-from loom_mcp.worker import harness, protocol
+from loom_mcp.worker import handoff, harness, protocol
 from loom_mcp.worker.harness import (
+    apply_task_globals,
     as_output_list,
     build_model,
     load_module,
@@ -81,17 +82,19 @@ def _clone_inputs(inputs: list) -> list:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-def run_case(model_cls, case: dict, device: torch.device, candidate_file: str) -> tuple[dict, list | None]:
+def run_case(model_cls, case: dict, device: torch.device, candidate_file: str,
+             left_running=None, threads_before: set[int] | None = None) -> tuple[dict, list | None]:
+    """`left_running(threads_before)` (from harness.track_threads) lists the threads the
+    candidate left running; `threads_before`: those running before the candidate was imported."""
     report: dict[str, Any] = {"error": None, "output_type_ok": True, "aliases_input": False,
                               "inputs_unchanged": True, "deterministic": True, "late_write": False,
-                              "threads_added": 0}
+                              "threads_added": 0, "threads": []}
     try:
         model = build_model(model_cls, case, device)
         inputs = to_device(case["inputs"], device)
         pristine = _clone_inputs(inputs)
         input_ptrs = {_storage_ptr(x) for x in inputs if isinstance(x, torch.Tensor)}
 
-        threads_before = threading.active_count()
         with torch.no_grad():
             first = as_output_list(model(*inputs))
         # Snapshot at return, before any sync: work still running on another stream or thread
@@ -100,7 +103,9 @@ def run_case(model_cls, case: dict, device: torch.device, candidate_file: str) -
         synchronize(device)
         time.sleep(0.02)
         synchronize(device)
-        report["threads_added"] = threading.active_count() - threads_before
+        if left_running is not None:
+            report["threads"] = left_running(threads_before or set())[:5]
+            report["threads_added"] = len(report["threads"])
 
         for o in first:
             if type(o) is not torch.Tensor:
@@ -129,15 +134,19 @@ def main() -> None:
     request = read_request() or {}
     device = pick_device(request.get("device"))
     _poison_uninitialized_memory()
+    # Like the guard's record, read through a local variable only.
+    threads_before = harness.running_thread_ids()
+    left_running = harness.track_threads(request["candidate"])
     # The audit hook goes in before the candidate is imported, and what it found is read
     # through a local variable (candidate code reaches module globals through sys.modules, not
     # this function's locals). See loom_mcp.worker.guard.
     violations = guard_module.install(
         [request["candidate"]],
-        watch=[sys.modules[__name__], harness, protocol, guard_module]).violations
+        watch=[sys.modules[__name__], harness, handoff, protocol, guard_module]).violations
     send = send_result
     try:
         module = load_module(request["candidate"], "loom_candidate")
+        apply_task_globals(module, request.get("task_globals"), strict=False)
         model_cls = module.ModelNew
         mark("candidate_imported")
     except Exception as exc:
@@ -146,15 +155,21 @@ def main() -> None:
         return
     if request.get("go_file"):
         wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
-    cases = torch.load(request["cases_file"], weights_only=True)["cases"]
-    mark("inputs_loaded")
+    # One case at a time: its inputs are read (a single file is mapped, not copied) just before
+    # it runs and its outputs written as soon as it returns, so no worker holds every case.
+    cases = handoff.Bundle(request["cases_dir"])
+    mark("inputs_opened")
+    writer = handoff.BundleWriter(request["outputs_dir"])
     reports, outputs = [], []
-    for case in cases:
-        report, out = run_case(model_cls, case, device, request["candidate"])
+    for raw_case in cases.tree:
+        case = cases.decode(raw_case)
+        report, out = run_case(model_cls, case, device, request["candidate"], left_running,
+                               threads_before)
         reports.append(report)
-        outputs.append(out)
+        outputs.append(writer.encode(out))
+        del case, out
     mark("cases_run")
-    torch.save({"outputs": outputs}, request["outputs_file"])
+    writer.close(outputs)
     send({"load_error": None, "cases": reports, "device": str(device), "guard": violations()})
 
 

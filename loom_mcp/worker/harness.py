@@ -93,6 +93,9 @@ def _call_with_shape(fn, shape: dict[str, Any]):
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
+call_with_shape = _call_with_shape  # the task's get_inputs/get_init_inputs for one shape
+
+
 def _transform(tensor: torch.Tensor, kind: str, seed: int, generators: dict) -> torch.Tensor:
     """Stress variants of a floating input: tails and scales that expose tolerance games.
     One generator per device and case, drawn from in input order."""
@@ -169,7 +172,9 @@ def tensor_digest(values: list | tuple) -> str:
         if isinstance(value, torch.Tensor):
             t = value.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            # The bytes in place: a copy of a 6 GB input was 6 GB more at the reference's peak.
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                     if t.numel() else b"")
         else:
             h.update(repr(value).encode())
     return h.hexdigest()
@@ -220,3 +225,165 @@ def user_traceback(exc: BaseException, user_file: str, limit_chars: int = 1500) 
     where = "".join(f"  {Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}\n" for f in frames[-5:])
     text = f"{type(exc).__name__}: {exc}\n{where}"
     return text[-limit_chars:]
+
+
+def apply_task_globals(module: ModuleType, overrides: dict[str, Any] | None, *, strict: bool) -> None:
+    """Set module-level names (KernelBench's `batch_size`, `dim`, ...) that get_inputs and
+    get_init_inputs read, before either is called. On the task (`strict`) every name must be
+    defined already; on a candidate only the names it defines too are set, so a copy of the
+    task's code sees the same shapes."""
+    for name, value in (overrides or {}).items():
+        if hasattr(module, name):
+            setattr(module, name, list(value) if isinstance(value, list) else value)
+        elif strict:
+            raise ValueError(f"task_globals names {name!r}, which the task does not define")
+
+
+# ---------------------------------------------------------------- threads left running
+#
+# A thread still running after forward returned can change outputs after they were checked or
+# race with the next call. torch.compile leaves threads of its own behind (inductor's compile
+# pool, tqdm's monitor): those are the library's and are allowed. Each thread is attributed by
+# the code that started it, recorded when it starts (not by its name, which anyone can choose):
+# the first frame outside the standard library that called threading.Thread.start. A thread
+# whose stack shows candidate code when the check runs is the candidate's whatever started it,
+# and one that no wrapper saw start (_thread directly, the original start) counts as the
+# candidate's too.
+
+_current_frames = sys._current_frames  # bound before any candidate code can rebind sys's
+
+
+def _roots_of_code() -> tuple[list[str], list[str], list[str]]:
+    """(standard-library directories, installed library code, compiler caches)."""
+    import importlib.util
+    import os
+    import site
+    import sysconfig
+    import tempfile
+
+    paths = sysconfig.get_paths()
+    stdlib = {paths.get("stdlib"), paths.get("platstdlib")}
+    libraries = {paths.get("purelib"), paths.get("platlib"), str(Path(__file__).resolve().parents[1])}
+    try:
+        libraries.update(site.getsitepackages())
+    except AttributeError:
+        pass
+    for package in ("torch", "triton"):  # also where they are a checkout on sys.path
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin:
+            libraries.add(str(Path(spec.origin).resolve().parents[1]))
+    # Where torch.compile and Triton write what they generate; the candidate can write there.
+    caches = {os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    caches.add(str(Path(tempfile.gettempdir()) / "torchinductor_"))
+
+    def forms(roots) -> list[str]:
+        return sorted({f for r in roots if r for f in (os.path.abspath(r), os.path.realpath(r))})
+
+    return forms(stdlib), forms(libraries), forms(caches)
+
+
+def code_classifier(candidate_file: str | Path):
+    """filename -> "candidate" (its file and directory, the siblings it imports), "library"
+    (installed packages; names like "<string>": code torch generates), "stdlib", "generated"
+    (compiler caches) or "unknown" (anywhere else: the candidate can write to its job directory
+    and its compile cache and import from there). For code objects' co_filename."""
+    import os
+
+    stdlib, libraries, caches = _roots_of_code()
+    cand = Path(candidate_file)
+    cand_files = {os.path.abspath(cand), os.path.realpath(cand)}
+    cand_dirs = {os.path.dirname(f) for f in cand_files}
+    kinds: dict[str, str] = {}
+
+    def under(path: str, roots) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/")
+                   or (r.endswith("_") and path.startswith(r)) for r in roots)
+
+    def kind_of(name: str) -> str:
+        if name.startswith("<frozen "):
+            return "stdlib"
+        if not name.startswith("/"):
+            return "library"
+        path = os.path.normpath(name)
+        if path in cand_files:
+            return "candidate"
+        if under(path, libraries):
+            return "library"
+        if under(path, stdlib):
+            return "stdlib"
+        if under(path, cand_dirs):
+            return "candidate"
+        if under(path, caches):
+            return "generated"
+        return "unknown"
+
+    def classify(name: str) -> str:
+        kind = kinds.get(name)
+        if kind is None:
+            kind = kinds[name] = kind_of(name)
+        return kind
+
+    return classify
+
+
+def _where(frame) -> str:
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def track_threads(candidate_file: str | Path):
+    """Record who starts each thread from now on (wrap threading.Thread.start; call it before
+    the candidate is imported) and return `left_running(before)`: the threads running now that
+    were not in `before` (a set of thread ids, from `running_thread_ids()`) and are not the
+    library's, as dicts {"name", "started_at", "running"}."""
+    import threading
+
+    classify = code_classifier(candidate_file)
+    original_start = threading.Thread.start
+    getframe = sys._getframe
+    origins: dict[int, tuple[str, str]] = {}  # thread id -> (kind, where it was started)
+
+    def first_outside_stdlib(frame):
+        while frame is not None:
+            kind = classify(frame.f_code.co_filename)
+            if kind != "stdlib":
+                return kind, frame
+            frame = frame.f_back
+        return "stdlib", None
+
+    def start(self) -> None:
+        kind, frame = first_outside_stdlib(getframe(1))
+        original_start(self)
+        if self.ident is not None:
+            origins[self.ident] = (kind, _where(frame) if frame is not None else "the standard library")
+
+    def running_candidate_code(frame) -> str | None:
+        while frame is not None:
+            if classify(frame.f_code.co_filename) == "candidate":
+                return _where(frame)
+            frame = frame.f_back
+        return None
+
+    def left_running(before: set[int]) -> list[dict[str, str | None]]:
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        found = []
+        for ident, frame in _current_frames().items():
+            if ident == me or ident in before:
+                continue
+            kind, started_at = origins.get(ident, ("unknown", None))
+            running = running_candidate_code(frame)
+            # Only installed code starts threads the candidate is not answerable for (e.g.
+            # inductor's compile pool, started by torch.compile); code in a compiler cache or
+            # anywhere else the candidate could have written counts as its own.
+            if kind in ("library", "stdlib") and running is None:
+                continue
+            found.append({"name": names.get(ident, f"thread {ident}"), "running": running,
+                          "started_at": started_at or "outside threading.Thread.start"})
+        return found
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    return left_running
+
+
+def running_thread_ids() -> set[int]:
+    return set(_current_frames())

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from loom_mcp.worker import exchange
+from loom_mcp.worker import exchange, handoff
 from loom_mcp.worker.harness import input_bytes, pick_device, synchronize, to_device
 from loom_mcp.worker.protocol import exit_now, forbid_inspection, read_request, send_result
 
@@ -162,7 +162,7 @@ class Timer:
         return {"arms": sorted(self.arms)}
 
     def load(self) -> dict:
-        self.shapes = torch.load(self.request["cases_file"], weights_only=True)["shapes"]
+        self.shapes = handoff.read_bundle(self.request["cases_file"])["shapes"]
         go = self.go.ipc_handle().hex() if self.gpu else None
         for role, arm in self.arms.items():
             reply = arm.ask({"op": "load", "timed": True, "go": go})

@@ -89,11 +89,17 @@ def main() -> None:
         if request.get("task") and hasattr(module, "ModelNew"):
             import torch
 
-            task = load_module(request["task"], "loom_compile_task")
-            from loom_mcp.worker.harness import make_case
+            from loom_mcp.worker.harness import apply_task_globals, make_case
 
-            shape = task_shapes(task)[0]
-            inputs, init_inputs = make_case(task, shape, 0, "normal")
+            try:
+                task = load_module(request["task"], "loom_compile_task")
+                apply_task_globals(task, request.get("task_globals"), strict=True)
+                shape = task_shapes(task)[0]
+                inputs, init_inputs = make_case(task, shape, 0, "normal")
+            except Exception as exc:  # the task's own failure, before the candidate runs
+                result["task_error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+                send_result(result)
+                return
             device = pick_device(request.get("device"))
             torch.manual_seed(0)
             model = module.ModelNew(*init_inputs)

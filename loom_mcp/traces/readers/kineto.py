@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.traces.events import (
     KIND_KERNEL,
     KIND_MEMCPY,
@@ -16,7 +17,7 @@ from loom_mcp.traces.events import (
     TraceData,
 )
 from loom_mcp.traces.jsonstream import JsonEventStream
-from loom_mcp.traces.secrets import KINETO_KEYS, inspect_block
+from loom_mcp.traces.secrets import KINETO_KEYS, inspect_block, scrub_text
 
 # Category spellings differ across Kineto versions (old traces capitalise them).
 GPU_CATS = {
@@ -65,6 +66,9 @@ def read_kineto(path: Path) -> TraceData:
     with stream.items() as (events, rec):
         for e in events:
             stream.last_pos = rec.pos
+            if type(e) is not dict:  # a JSON file of other things (a list of numbers, say)
+                raise LoomError(ErrorCode.BAD_INPUT, f"{scrub_text(path.name)}: its events are not "
+                                "JSON objects; not a Kineto/PyTorch trace")
             ph = e.get("ph")
             if ph != "X":
                 if ph == "f" and e.get("cat") == "ac2g":

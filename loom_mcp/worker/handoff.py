@@ -1,0 +1,218 @@
+"""Tensors handed from one worker to another through files (validation's inputs and outputs,
+the benchmark's input sets): a directory of raw tensor bytes and a JSON manifest, no zip
+container and no pickle.
+
+torch.save wrote every case into one zip archive: a problem with 6 GB of inputs failed inside the
+archive writer, and the archive could not outgrow the job's per-file limit (RLIMIT_FSIZE). Here
+each tensor's bytes go to files of at most `chunk_bytes` (at most the writer's own per-file limit,
+read from the process), and a reader gets them back as tensors: mapped copy-on-write when a big
+tensor is in one file (no copy; a write the candidate makes to its inputs stays private), else
+read into one allocation. Like the benchmark's exchange (loom_mcp.worker.exchange), the files are
+written by one process and only read by the other.
+
+The manifest is plain JSON: a reader trusts nothing in it but names it checks (file names are
+plain, dtypes are torch's, sizes must match the files). Values other than tensors are JSON:
+numbers, strings, booleans, None, lists, tuples, dicts with string keys, torch dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import resource
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+CHUNK_BYTES = 1 << 30
+# Tensors at least this big are mapped rather than read: each mapping holds a file descriptor
+# (mmap keeps its own), and a model's hundreds of small weights would exhaust them.
+MAP_BYTES = 1 << 20
+# A manifest is small (tensors are elsewhere); a bigger one is not ours.
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def _file_limit() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _dtype(name: Any) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class BundleWriter:
+    """Writes tensors as they come (each one's bytes go to disk at once, so a worker need not
+    hold every case in memory), then the manifest naming them. `close(tree)` publishes it."""
+
+    def __init__(self, directory: str | Path, chunk_bytes: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        limit = _file_limit()
+        chunk = chunk_bytes or CHUNK_BYTES
+        self.chunk_bytes = max(1, min(chunk, limit) if limit else chunk)
+        self.tensors: list[dict[str, Any]] = []
+
+    def _write_tensor(self, tensor: torch.Tensor) -> int:
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise TypeError(f"cannot hand over a {tensor.layout} tensor")
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        view = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")  # type: ignore[arg-type]
+        index = len(self.tensors)
+        chunks = []
+        for k, start in enumerate(range(0, len(view), self.chunk_bytes)):
+            name = f"t{index}.{k}.bin"
+            piece = view[start:start + self.chunk_bytes]
+            fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o644)
+            try:
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+            finally:
+                os.close(fd)
+            chunks.append(name)
+        self.tensors.append({"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                             "nbytes": len(view), "chunks": chunks})
+        return index
+
+    def encode(self, value: Any) -> Any:
+        """`value` as JSON, its tensors written now and named by index."""
+        if isinstance(value, torch.Tensor):
+            return {"__tensor__": self._write_tensor(value)}
+        if isinstance(value, torch.dtype):
+            return {"__dtype__": _dtype_name(value)}
+        if isinstance(value, tuple):
+            return {"__tuple__": [self.encode(v) for v in value]}
+        if isinstance(value, list):
+            return [self.encode(v) for v in value]
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise TypeError("only dicts with string keys can be handed over")
+            return {"__dict__": [[k, self.encode(v)] for k, v in value.items()]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError(f"cannot hand over a value of type {type(value).__name__}")
+
+    def close(self, tree: Any) -> None:
+        body = json.dumps({"version": 1, "tree": tree, "tensors": self.tensors})
+        tmp = self.directory / f"{MANIFEST}.tmp"
+        tmp.write_text(body, encoding="utf-8")
+        os.rename(tmp, self.directory / MANIFEST)
+
+
+def write_bundle(directory: str | Path, value: Any, chunk_bytes: int | None = None) -> None:
+    writer = BundleWriter(directory, chunk_bytes)
+    writer.close(writer.encode(value))
+
+
+def _open_plain(directory: Path, name: Any) -> int:
+    if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or "\0" in name:
+        raise ValueError(f"bad file name in the manifest: {name!r}")
+    fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{name} is not a plain file")
+    return fd
+
+
+def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
+    if not isinstance(entry, dict):
+        raise ValueError("bad tensor entry in the manifest")
+    dtype = _dtype(entry.get("dtype"))
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"bad shape in the manifest: {shape!r}")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    chunks = entry.get("chunks")
+    if not isinstance(chunks, list) or entry.get("nbytes") != nbytes:
+        raise ValueError("tensor size in the manifest does not match its shape")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    fds = [_open_plain(directory, name) for name in chunks]
+    try:
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        if sum(sizes) != nbytes or 0 in sizes:
+            raise ValueError(f"the files of a {nbytes}-byte tensor hold {sum(sizes)} bytes")
+        if len(fds) == 1 and nbytes >= MAP_BYTES:
+            # Copy-on-write: no copy of the bytes, and a write stays in this process.
+            raw = torch.frombuffer(mmap.mmap(fds[0], nbytes, access=mmap.ACCESS_COPY),
+                                   dtype=torch.uint8)
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            target = memoryview(raw.numpy())  # type: ignore[arg-type]
+            at = 0
+            for fd, size in zip(fds, sizes):
+                end = at + size
+                while at < end:
+                    got = os.readv(fd, [target[at:end]])
+                    if got <= 0:
+                        raise ValueError("a tensor file ended early")
+                    at += got
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return raw.view(dtype).view(shape)
+
+
+class Bundle:
+    """A bundle opened for reading: `tree` is its manifest's JSON, `decode(part)` turns a part of
+    it into values, reading the tensors it names then (so a worker can take one case at a time)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        fd = _open_plain(self.directory, MANIFEST)
+        with open(fd, "rb") as f:
+            body = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ValueError("the manifest is too large")
+        manifest = json.loads(body)
+        if not isinstance(manifest, dict) or manifest.get("version") != 1:
+            raise ValueError("not a tensor bundle manifest")
+        entries = manifest.get("tensors")
+        if not isinstance(entries, list):
+            raise ValueError("bad manifest")
+        self.entries: list[Any] = entries
+        self.tree: Any = manifest.get("tree")
+
+    def decode(self, value: Any, depth: int = 0) -> Any:
+        if depth > 64:
+            raise ValueError("the manifest nests too deeply")
+        if isinstance(value, list):
+            return [self.decode(v, depth + 1) for v in value]
+        if isinstance(value, dict):
+            if len(value) != 1:
+                raise ValueError("bad value in the manifest")
+            ((kind, inner),) = value.items()
+            if kind == "__tensor__":
+                if type(inner) is not int or not 0 <= inner < len(self.entries):
+                    raise ValueError("bad tensor index in the manifest")
+                return _read_tensor(self.directory, self.entries[inner])
+            if kind == "__dtype__":
+                return _dtype(inner)
+            if kind == "__tuple__" and isinstance(inner, list):
+                return tuple(self.decode(v, depth + 1) for v in inner)
+            if kind == "__dict__" and isinstance(inner, list):
+                if not all(isinstance(kv, list) and len(kv) == 2 for kv in inner):
+                    raise ValueError("bad dict in the manifest")
+                return {str(k): self.decode(v, depth + 1) for k, v in inner}
+            raise ValueError("bad value in the manifest")
+        return value
+
+
+def read_bundle(directory: str | Path) -> Any:
+    """The value a BundleWriter wrote in `directory`, all of it."""
+    bundle = Bundle(directory)
+    return bundle.decode(bundle.tree)

@@ -1,0 +1,301 @@
+"""How validation hands tensors between its processes, sizes a job before running it, and tells
+the candidate's own threads from the ones torch starts.
+
+The bundle format is exercised directly; everything else goes through run_validation over the
+real MCP protocol with real sandboxed workers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mcp import Client
+
+from loom_mcp.config import load_config
+from loom_mcp.server import build_server
+from loom_mcp.worker import handoff
+
+# ---------------------------------------------------------------- the bundle format
+
+
+def test_a_bundle_round_trips_values_and_splits_big_tensors(tmp_path: Path) -> None:
+    big = torch.randn(1000, 33)  # 132 000 bytes: five files of 32 KiB and one of the rest
+    value = [{"seed": 7, "inputs": [big, torch.arange(5), 3, 0.5, None, "x"],
+              "init_inputs": (4, torch.float16), "state_dict": {"w": torch.ones(2, 2).bfloat16()}},
+             [torch.empty(0, 3), torch.randn(2, 3)[:, 1]]]
+    handoff.write_bundle(tmp_path / "b", value, chunk_bytes=32 << 10)
+    files = sorted(p.name for p in (tmp_path / "b").glob("t0.*.bin"))
+    assert len(files) == 5 and all((tmp_path / "b" / f).stat().st_size <= 32 << 10 for f in files)
+    back = handoff.read_bundle(tmp_path / "b")
+    assert torch.equal(back[0]["inputs"][0], big)
+    assert back[0]["inputs"][1:] == [back[0]["inputs"][1], 3, 0.5, None, "x"]
+    assert torch.equal(back[0]["inputs"][1], torch.arange(5))
+    assert back[0]["init_inputs"] == (4, torch.float16)
+    assert back[0]["state_dict"]["w"].dtype == torch.bfloat16
+    assert back[1][0].shape == (0, 3) and torch.equal(back[1][1], value[1][1])
+
+
+def test_a_mapped_tensor_is_copy_on_write(tmp_path: Path) -> None:
+    """The candidate may write into its inputs (the input-mutation check sees it); the file,
+    which is the reference's, never changes."""
+    x = torch.arange(handoff.MAP_BYTES // 4, dtype=torch.float32)
+    handoff.write_bundle(tmp_path / "b", [x])
+    mapped = handoff.read_bundle(tmp_path / "b")[0]
+    assert torch.equal(mapped, x)
+    mapped.zero_()
+    assert torch.equal(handoff.read_bundle(tmp_path / "b")[0], x)
+
+
+@pytest.mark.parametrize("attack", ["symlink", "short", "dtype", "name"])
+def test_a_forged_bundle_is_refused(tmp_path: Path, attack: str) -> None:
+    """The reference reads what the candidate wrote: nothing in it is trusted."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 64)
+    bundle = tmp_path / "b"
+    handoff.write_bundle(bundle, [torch.zeros(16)])
+    manifest = (bundle / "manifest.json").read_text()
+    if attack == "symlink":
+        (bundle / "t0.0.bin").unlink()
+        (bundle / "t0.0.bin").symlink_to(secret)
+    elif attack == "short":
+        (bundle / "t0.0.bin").write_bytes(b"\0" * 8)
+    elif attack == "dtype":
+        (bundle / "manifest.json").write_text(manifest.replace('"float32"', '"Tensor"'))
+    else:
+        (bundle / "manifest.json").write_text(manifest.replace('"t0.0.bin"', '"../secret.bin"'))
+    with pytest.raises((OSError, ValueError)):
+        handoff.read_bundle(bundle)
+
+
+# ---------------------------------------------------------------- through run_validation
+
+BIG_TASK = '''
+import torch
+
+batch_size = 256
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def get_inputs():
+    return [torch.randn(batch_size, 1024, 1024)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+SMALL_TASK = BIG_TASK.replace("batch_size = 256", "batch_size = 1")  # 4 MiB of inputs
+
+HONEST = '''
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x + x
+'''
+
+OWN_THREAD = '''
+import threading
+
+import torch
+
+_stop = threading.Event()
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        threading.Thread(target=_poll, name="compile_worker_0", daemon=True).start()
+        return x + x
+
+
+def _poll():
+    while not _stop.wait(0.01):
+        pass
+'''
+
+
+def _server(root: Path, **settings: int):
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "loom.toml").write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
+    return build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(root)}))
+
+
+async def _validate(server, task: Path, candidate: Path, **extra):
+    async with Client(server) as client:
+        return await client.call_tool("run_validation", {
+            "task": str(task), "candidate": str(candidate), **extra})
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_job_too_big_for_the_memory_limit_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """1 GiB of inputs per case, five cases kept by the reference, against a 3 GiB job limit:
+    sized on the meta device, refused before any input is made, with what to do."""
+    (tmp_path / "task.py").write_text(BIG_TASK)
+    (tmp_path / "cand.py").write_text(HONEST)
+    server = _server(tmp_path, job_memory_bytes=3 << 30)
+    began = time.monotonic()
+    result = await _validate(server, tmp_path / "task.py", tmp_path / "cand.py")
+    text = result.content[0].text
+    assert result.is_error, text
+    assert "[RESOURCE_LIMIT]" in text, text
+    assert "1 GiB of inputs" in text and "3 GiB" in text and "task_globals" in text, text
+    assert "reference failed" not in text
+    assert time.monotonic() - began < 120
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_tensors_larger_than_the_per_file_limit_pass_validation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 MiB inputs and outputs under a 1 MiB per-file limit (RLIMIT_FSIZE) in both workers: a
+    file that size would kill the writer with SIGXFSZ; the tensors travel in pieces."""
+    from loom_mcp.validate import runner
+
+    monkeypatch.setattr(runner, "JOB_FILE_BYTES", 1 << 20)
+    (tmp_path / "task.py").write_text(SMALL_TASK)
+    (tmp_path / "cand.py").write_text(HONEST)
+    result = await _validate(_server(tmp_path), tmp_path / "task.py", tmp_path / "cand.py",
+                             seeds=5)
+    assert result.is_error is False, result.content
+    report = result.structured_content
+    assert report["passed"] is True, report
+    assert report["cases_total"] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_reference_killed_by_sigkill_is_reported_as_out_of_memory(tmp_path: Path) -> None:
+    """What the kernel's OOM killer does to the reference (a SIGKILL nobody on our side sent) is
+    a resource limit, never 'the task's reference failed' nor the candidate's fault."""
+    task = SMALL_TASK.replace("        return x * 2", "        import os, signal\n"
+                              "        os.kill(os.getpid(), signal.SIGKILL)")
+    (tmp_path / "task.py").write_text(task)
+    (tmp_path / "cand.py").write_text(HONEST)
+    result = await _validate(_server(tmp_path), tmp_path / "task.py", tmp_path / "cand.py")
+    text = result.content[0].text
+    assert result.is_error and "[RESOURCE_LIMIT]" in text, text
+    assert "ran out of memory" in text and "reference failed" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_thread_the_candidate_leaves_running_is_named_with_where_it_started(
+        tmp_path: Path) -> None:
+    """Named like a compiler's pool thread, started from the candidate's forward: attributed by
+    where it was started, not by its name. (torch.compile's own threads pass: test_guard.)"""
+    (tmp_path / "task.py").write_text(SMALL_TASK.replace("1024, 1024", "8, 64"))
+    (tmp_path / "cand.py").write_text(OWN_THREAD)
+    result = await _validate(_server(tmp_path), tmp_path / "task.py", tmp_path / "cand.py")
+    assert result.is_error is False, result.content
+    report = result.structured_content
+    threads = [f for f in report["findings"] if f["check"] == "validation.threads"]
+    assert report["passed"] is False and threads, report["findings"]
+    message = threads[0]["message"]
+    assert "'compile_worker_0' started at cand.py:11 in forward" in message, message
+    assert "running cand.py:" in message and "_poll" in message, message
+    assert "join" in message, message
+
+
+# ---------------------------------------------------------------- whose threads
+
+THREADS_CANDIDATE = '''
+import concurrent.futures
+import threading
+
+import tqdm
+
+stop = threading.Event()
+
+
+def spin():
+    while not stop.wait(0.01):
+        pass
+
+
+def library_thread():
+    tqdm.tqdm(total=1, disable=False, file=open("/dev/null", "w"))  # tqdm's monitor thread
+    return [t for t in threading.enumerate() if t.name == "tqdm_monitor"]
+
+
+def named_like_a_library():
+    threading.Thread(target=spin, name="tqdm_monitor", daemon=True).start()
+
+
+def pool():
+    concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_pool").submit(stop.wait)
+
+
+def from_elsewhere():
+    """A module written where no installed code lives (its job directory, a compile cache)."""
+    import importlib.util
+    import tempfile
+
+    path = tempfile.mkdtemp() + "/helper.py"
+    with open(path, "w") as f:
+        f.write("import threading" + chr(10) + "def go(target):" + chr(10) + "    threading.Thread("
+                "target=target, name='pool_worker', daemon=True).start()" + chr(10))
+    spec = importlib.util.spec_from_file_location("helper", path)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    helper.go(stop.wait)
+
+
+def original_start():
+    start = threading.Thread.start.__closure__
+    original = next(c.cell_contents for c in start if getattr(c.cell_contents, "__name__", "") == "start")
+    original(threading.Thread(target=stop.wait, name="unwrapped", daemon=True))
+'''
+
+THREADS_DRIVER = '''
+import json, sys
+sys.path.insert(0, {repo!r})
+from loom_mcp.worker import harness
+before = harness.running_thread_ids()
+left_running = harness.track_threads({cand!r})
+cand = harness.load_module({cand!r}, "cand")
+seen = {{}}
+for step in ("library_thread", "named_like_a_library", "pool", "from_elsewhere", "original_start"):
+    now = harness.running_thread_ids()
+    returned = getattr(cand, step)()
+    seen[step] = left_running(now)
+    if step == "library_thread":
+        seen["monitor_started"] = bool(returned)
+print(json.dumps(seen), flush=True)
+cand.stop.set()
+'''
+
+
+def test_threads_are_attributed_by_who_started_them_not_by_name(tmp_path: Path) -> None:
+    """A library's thread (tqdm's monitor, started from tqdm's code) is allowed; the candidate's
+    own thread named like it, its own pool, one started from a module it wrote elsewhere, and
+    one started around the wrapper are not."""
+    import json
+    import subprocess
+    import sys
+
+    cand = tmp_path / "cand.py"
+    cand.write_text(THREADS_CANDIDATE)
+    driver = THREADS_DRIVER.format(repo=str(Path(__file__).resolve().parents[1]), cand=str(cand))
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["monitor_started"] and seen["library_thread"] == [], seen
+    [named] = seen["named_like_a_library"]
+    assert named["name"] == "tqdm_monitor" and named["started_at"].startswith("cand.py:")
+    assert "named_like_a_library" in named["started_at"] and "spin" in named["running"]
+    [pooled] = seen["pool"]
+    assert pooled["name"].startswith("torch_pool") and "in pool" in pooled["started_at"]
+    [elsewhere] = seen["from_elsewhere"]
+    assert elsewhere["started_at"] == "helper.py:3 in go", elsewhere
+    [unwrapped] = seen["original_start"]
+    assert unwrapped["started_at"] == "outside threading.Thread.start", unwrapped
