@@ -60,6 +60,23 @@ def make_git_repo(path: Path) -> Path:
     return path
 
 
+def campaign_workspace(tmp_path: Path, files: dict[str, str], gate: str) -> tuple[Path, Path]:
+    """A target repo holding `files` (task.py committed, the rest left as agent edits) and a
+    LOOM_HOME whose loom.toml allows tmp_path and adds `gate`: (repo, home)."""
+    import git
+
+    repo = make_git_repo(tmp_path / "target")
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    r = git.Repo(repo)
+    r.index.add(["task.py"])
+    r.index.commit("task")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "loom.toml").write_text(f'allowed_roots = ["{tmp_path}"]\n' + gate)
+    return repo, home
+
+
 @pytest.fixture
 def git_repo(tmp_path) -> Path:
     return make_git_repo(tmp_path / "target")

@@ -21,7 +21,7 @@ from loom_mcp.config import load_config
 from loom_mcp.server import build_server
 from loom_mcp.store import Ledger
 
-from .conftest import make_git_repo
+from .conftest import campaign_workspace
 
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 DEMO = resources.files("loom_mcp") / "demo_data"
@@ -34,16 +34,8 @@ GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_ti
 
 @pytest.fixture
 def setup(tmp_path):
-    repo = make_git_repo(tmp_path / "target")
-    for name in ("task.py", "candidate.py", "cheat.py"):
-        (repo / name).write_text((DEMO / name).read_text())
-    r = git.Repo(repo)
-    r.index.add(["task.py"])
-    r.index.commit("task")
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "loom.toml").write_text(f'allowed_roots = ["{tmp_path}"]\n' + GATE)
-    return repo, home
+    files = {name: (DEMO / name).read_text() for name in ("task.py", "candidate.py", "cheat.py")}
+    return campaign_workspace(tmp_path, files, GATE)
 
 
 def user_state(repo: Path) -> tuple:

@@ -17,7 +17,7 @@ from loom_mcp.config import load_config
 from loom_mcp.errors import LoomError
 from loom_mcp.server import build_server
 
-from .conftest import make_git_repo
+from .conftest import campaign_workspace
 
 # As published the problem is 1 GiB of input per case; the test shrinks it to 64 x 32. `scale`
 # is read by forward in both files: a process that missed the override computes x 2, not x 3.
@@ -74,16 +74,7 @@ GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_ti
 
 @pytest.fixture
 def setup(tmp_path):
-    repo = make_git_repo(tmp_path / "target")
-    (repo / "task.py").write_text(TASK)
-    (repo / "candidate.py").write_text(CANDIDATE)
-    r = git.Repo(repo)
-    r.index.add(["task.py"])
-    r.index.commit("task")
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "loom.toml").write_text(f'allowed_roots = ["{tmp_path}"]\n' + GATE)
-    return repo, home
+    return campaign_workspace(tmp_path, {"task.py": TASK, "candidate.py": CANDIDATE}, GATE)
 
 
 async def call(client, tool: str, **arguments) -> dict:

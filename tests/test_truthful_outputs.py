@@ -19,7 +19,7 @@ from loom_mcp.report.campaign import clip_words
 from loom_mcp.report.plots import speedup_bars
 from loom_mcp.server import build_server
 
-from .conftest import make_git_repo
+from .conftest import campaign_workspace
 
 # No accept on wall-clock timing (the default); two seeds keep the validations short.
 GATE = "[gate]\nseeds = 2\n"
@@ -64,17 +64,8 @@ class ModelNew(torch.nn.Module):
 
 @pytest.fixture
 def setup(tmp_path):
-    repo = make_git_repo(tmp_path / "target")
-    (repo / "task.py").write_text(TASK)
-    (repo / "wrong.py").write_text(WRONG_ON_ONE_SHAPE)
-    (repo / "nan.py").write_text(NAN_ON_ONE_ROW)
-    r = git.Repo(repo)
-    r.index.add(["task.py"])
-    r.index.commit("task")
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "loom.toml").write_text(f'allowed_roots = ["{tmp_path}"]\n' + GATE)
-    return repo, home
+    files = {"task.py": TASK, "wrong.py": WRONG_ON_ONE_SHAPE, "nan.py": NAN_ON_ONE_ROW}
+    return campaign_workspace(tmp_path, files, GATE)
 
 
 async def _start(client, repo: Path) -> str:
