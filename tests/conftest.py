@@ -36,6 +36,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# CPU benchmarks in tests time the policy's first four blocks and stop there (the policy adds up
+# to eight while the CI is wider than its target): most tests check what a verdict is made of
+# and how it travels, and each block's fresh processes made the suite twice as long. Tests of
+# the statistics themselves are marked `gate_defaults` (or set wall_clock_* in their loom.toml).
+QUICK_CPU_BLOCKS = {"wall_clock_blocks": 4, "wall_clock_max_blocks": 4}
+
+
+@pytest.fixture(autouse=True)
+def _quick_cpu_blocks(request, monkeypatch):
+    if request.node.get_closest_marker("gate_defaults"):
+        return
+    from loom_mcp.config import LoomConfig
+
+    validate = LoomConfig.model_validate.__func__  # type: ignore[attr-defined]
+
+    def quick(cls, data, *args, **kwargs):
+        if isinstance(data, dict):
+            gate = dict(data.get("gate") or {})
+            if not any(key.startswith("wall_clock_") for key in gate):
+                data = {**data, "gate": {**QUICK_CPU_BLOCKS, **gate}}
+        return validate(cls, data, *args, **kwargs)
+
+    monkeypatch.setattr(LoomConfig, "model_validate", classmethod(quick))
+
+
 @pytest.fixture
 def loom_home(tmp_path, monkeypatch) -> Path:
     """An isolated LOOM_HOME whose allowed roots cover the test's tmp dir."""
@@ -73,6 +98,10 @@ def campaign_workspace(tmp_path: Path, files: dict[str, str], gate: str) -> tupl
     r.index.commit("task")
     home = tmp_path / "home"
     home.mkdir()
+    if "wall_clock_" not in gate:  # servers started as subprocesses read the file, not the patch
+        quick = "".join(f"{k} = {v}\n" for k, v in QUICK_CPU_BLOCKS.items())
+        gate = gate.replace("[gate]\n", "[gate]\n" + quick, 1) if "[gate]\n" in gate else (
+            gate + "\n[gate]\n" + quick)
     (home / "loom.toml").write_text(f'allowed_roots = ["{tmp_path}"]\n' + gate)
     return repo, home
 

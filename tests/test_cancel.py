@@ -40,7 +40,7 @@ def our_jobs() -> list[str]:
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     mark = f'"parent_pid": {os.getpid()},'
     idle = set()
-    for worker in list(warm._idle.values()):  # the launcher and what it forked (its init)
+    for worker in warm.idle_workers():  # the launcher and what it forked (its init)
         idle |= {worker.process.pid, *isolation.descendants(worker.process.pid)}
     jobs = []
     for line in out.splitlines():

@@ -177,6 +177,35 @@ def test_the_table_scripts_candidates_are_kernelbench_candidates_the_judge_accep
     assert namespace["ModelNew"](4).weight.shape == (4,)
 
 
+def test_the_table_merges_earlier_runs_row_by_row(tmp_path):
+    """Rows of two sittings on a lent GPU make one table: each check keeps when and where it
+    was measured, a later run's check of a problem replaces an earlier one's."""
+    import importlib.util
+
+    from .conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("kernelbench_table", REPO_ROOT / "tools" / "kernelbench_table.py")
+    assert spec and spec.loader
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    run = {"device": "GPU A", "software": "torch x", "command": "c"}
+    first = {**run, "date": "day 1", "problems": [
+        {"level": 2, "id": 1, "name": "1_a", "copy": {"verdict": "reject"}, "compile": {"verdict": "error"}},
+        {"level": 2, "id": 2, "name": "2_b", "copy": {"verdict": "reject"}}]}
+    second = {**run, "date": "day 2", "problems": [
+        {"level": 2, "id": 1, "name": "1_a", "compile": {"verdict": "accept"}}]}
+    paths = []
+    for i, data in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    merged = table.merge_rows([str(p) for p in paths])
+    assert [r["date"] for r in merged["runs"]] == ["day 1", "day 2"]
+    one = merged["rows"][(2, 1)]
+    assert one["copy"] == {"verdict": "reject", "measured": "day 1, GPU A"}
+    assert one["compile"] == {"verdict": "accept", "measured": "day 2, GPU A"}
+    assert "compile" not in merged["rows"][(2, 2)]
+
+
 def test_set_values_parse_as_json_where_they_can_and_derived_globals_are_names_too():
     from loom_mcp.validate.taskfile import assigned_globals, check_task_globals, parse_task_globals
 

@@ -567,3 +567,15 @@ def test_compile_caches_live_in_the_code_cache(tmp_path: Path) -> None:
     assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == cache  # torch.compile's, too
     assert code_cache(tmp_path / "jobs" / "v2", a) == cache  # another job, same bytes
     assert code_cache(run, b) != cache
+
+
+def test_torch_compile_runs_without_a_worker_pool(tmp_path: Path) -> None:
+    """A candidate's torch.compile compiles in its own process: inductor's pool of compile
+    workers kept the candidate's processes busy while the other arm was timed."""
+    pytest.importorskip("torch")
+    from loom_mcp.sandbox import code_cache_env
+
+    env = {**os.environ, **code_cache_env(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "1", out.stderr[-2000:]

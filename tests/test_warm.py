@@ -114,7 +114,7 @@ async def test_a_worker_idle_too_long_exits_and_is_replaced(tmp_path: Path, monk
     warm.prewarm(template, pool)
     (idle_dir,) = list(pool.iterdir())
     deadline = time.monotonic() + 60
-    while warm._idle and next(iter(warm._idle.values())).alive() and time.monotonic() < deadline:
+    while any(w.alive() for w in warm.idle_workers()) and time.monotonic() < deadline:
         await anyio.sleep(0.2)
     worker = await warm.take(template, pool, refill=False)
     assert worker.job_dir != idle_dir
@@ -140,8 +140,25 @@ def test_idle_workers_are_bounded(tmp_path: Path) -> None:
     pools = [tmp_path / f"pool{i}" for i in range(warm.MAX_IDLE + 2)]
     for pool in pools:
         warm.prewarm(_template(tmp_path), pool)
-    assert len(warm._idle) == warm.MAX_IDLE
-    assert all(w.alive() for w in warm._idle.values())
+    idle = warm.idle_workers()
+    assert len(idle) == warm.MAX_IDLE
+    assert all(w.alive() for w in idle)
+    assert {w.job_dir.parent for w in idle} == set(pools[-warm.MAX_IDLE:])  # the oldest went
+
+
+@pytest.mark.anyio
+async def test_a_deeper_pool_hands_out_its_oldest_worker_first(tmp_path: Path) -> None:
+    """With depth 2 a step that follows a refill at once still meets a worker that has had
+    time to start, not the one started a moment ago."""
+    template, pool = _template(tmp_path), tmp_path / "warm"
+    warm.prewarm(template, pool, depth=2)
+    first, second = warm.idle_workers()
+    warm.prewarm(template, pool, depth=2)  # already deep enough: nothing new
+    assert warm.idle_workers() == [first, second]
+    taken = await warm.take(template, pool, refill=True, depth=2)
+    assert taken is first
+    assert warm.idle_workers()[0] is second and len(warm.idle_workers()) == 2
+    taken.discard()
 
 
 def test_a_job_dies_with_the_thread_that_forked_it(tmp_path: Path) -> None:
@@ -203,5 +220,5 @@ async def test_the_humans_config_decides_whether_a_worker_is_kept_warm(tmp_path:
         result = await client.call_tool("run_validation", {
             "task": str(redteam / "task_rmsnorm.py"), "candidate": str(redteam / "honest_torch.py")})
     assert result.is_error is False, result.content
-    idle_here = [w for w in warm._idle.values() if home in w.job_dir.parents]
+    idle_here = [w for w in warm.idle_workers() if home in w.job_dir.parents]
     assert len(idle_here) == (1 if keep_warm else 0)

@@ -5,6 +5,7 @@ candidates each, written as JSON and as a Markdown table.
     python tools/kernelbench_table.py KERNELBENCH [--levels 1,2] [--problems 12,40]
         [--candidates copy,compile] [--set batch_size=2] [--timeout 300]
         [--out kernelbench.json] [--markdown docs/kernelbench.md] [--home DIR]
+        [--merge EARLIER.json ...] [--stop-after SECONDS]
 
 KERNELBENCH is a checkout of ScalingIntelligence/KernelBench (holding KernelBench/level1, ...)
 or its bare git directory (the problems are extracted to a temporary directory).
@@ -21,6 +22,11 @@ when it passed, the gate's decision, under a per-problem timeout. The server's w
 up across problems, as in a campaign. A failure or timeout is recorded and the run goes on;
 both files are rewritten after every check. `--set name=value` overrides a module-level name of
 every problem (task_globals), e.g. batch_size=2 to make level 1/2 problems fit a CPU.
+
+The whole table takes longer than one sitting on a lent GPU: `--merge` takes the rows of
+earlier runs (each row keeps when and where it was measured), checks only what they lack, and
+writes the union; `--stop-after` starts no new check after that many seconds, so a run under a
+time limit ends with its files written.
 """
 
 from __future__ import annotations
@@ -188,6 +194,23 @@ def summary_lines(rows: list[dict], kinds: list[str]) -> list[str]:
     return lines
 
 
+def merge_rows(paths: list[str]) -> dict[str, Any]:
+    """The rows of earlier runs by (level, id), a later file's checks over an earlier's, and
+    the runs they came from."""
+    rows: dict[tuple[int, int], dict] = {}
+    runs: list[dict] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs.extend(data.get("runs") or [{k: data.get(k) for k in ("date", "device", "software", "command")}])
+        for row in data["problems"]:
+            for kind in ("copy", "compile"):
+                if row.get(kind) and "measured" not in row[kind]:
+                    row[kind]["measured"] = f"{data.get('date')}, {data.get('device')}"
+            key = (row["level"], row["id"])
+            rows[key] = {**rows.get(key, {}), **{k: v for k, v in row.items() if v}}
+    return {"rows": rows, "runs": runs}
+
+
 def write_outputs(meta: dict, rows: list[dict], out: Path, markdown: Path | None, kinds: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**meta, "problems": rows}, indent=1) + "\n")
@@ -197,8 +220,9 @@ def write_outputs(meta: dict, rows: list[dict], out: Path, markdown: Path | None
         "# The judge on KernelBench",
         "",
         f"Produced by `tools/kernelbench_table.py` ({meta['kernelbench']}, levels "
-        f"{meta['levels']}{', problems ' + meta['problems'] if meta.get('problems') else ''}) on "
-        f"{meta['device']} ({meta['software']}), {meta['date']}.",
+        f"{meta['levels']}{', problems ' + meta['problems'] if meta.get('problems') else ''}) in "
+        + "; ".join(f"{r['date']} on {r['device']} ({r['software']})" for r in meta.get("runs") or [meta])
+        + ". Each row's checks are from one of these runs.",
         f"Task overrides (task_globals): {json.dumps(meta['task_globals']) if meta['task_globals'] else 'none: the problems as published'}"
         " (each problem gets the names it assigns). "
         f"Timeout per check: {meta['timeout_s']:g} s.",
@@ -257,7 +281,10 @@ async def run_table(args: argparse.Namespace) -> int:
             "command": " ".join(["python", "tools/kernelbench_table.py", *sys.argv[1:]])}
     out = Path(args.out)
     markdown = Path(args.markdown) if args.markdown else None
-    rows: list[dict] = []
+    merged = merge_rows(args.merge)
+    meta["runs"] = merged["runs"] + [{k: meta[k] for k in ("date", "device", "software", "command")}]
+    rows: list[dict] = list(merged["rows"].values())
+    deadline = time.monotonic() + args.stop_after if args.stop_after else None
     for level in levels:
         problems = sorted((p for p in dirs[level].glob("*.py") if problem_id(p) is not None), key=problem_id)
         for path in problems:
@@ -271,16 +298,23 @@ async def run_table(args: argparse.Namespace) -> int:
             # --set is for every problem: each gets the names it assigns (level 1 has N, M, ...).
             defined = set(assigned_globals(ast.parse(source)))
             applied = {k: v for k, v in task_globals.items() if k in defined}
-            row: dict[str, Any] = {"level": level, "id": problem_id(path), "name": path.stem,
-                                   "task_globals": applied}
+            row = merged["rows"].get((level, problem_id(path)))
+            if row is None:
+                row = {"level": level, "id": problem_id(path), "name": path.stem, "task_globals": applied}
+                rows.append(row)
             for kind in kinds:
+                if row.get(kind) and row.get("task_globals", {}) == applied:
+                    continue  # measured by an earlier run
+                if deadline is not None and time.monotonic() > deadline:
+                    break
                 candidate = case_dir / f"candidate_{kind}.py"
                 candidate.write_text(candidate_source(source, kind))
                 row[kind] = await check_one(services, task, candidate, applied, args.timeout)
+                row[kind]["measured"] = f"{meta['date']}, {meta['device']}"
                 print(f"level {level} {path.stem} {kind}: {row[kind]['verdict']} "
                       f"validated={row[kind].get('validated')} {fmt_speedup(row[kind])} "
                       f"{row[kind]['check_s']:.1f} s {row[kind].get('error') or ''}", flush=True)
-            rows.append(row)
+            rows.sort(key=lambda r: (r["level"], r["id"]))
             write_outputs(meta, rows, out, markdown, kinds)
     write_outputs(meta, rows, out, markdown, kinds)
     return 0
@@ -303,8 +337,14 @@ def main() -> int:
     parser.add_argument("--workdir", help="where problems and candidates are written (default: temp)")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite --markdown from the JSON at --out (no checks)")
+    parser.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                        help="rows of earlier runs: kept, and not checked again")
+    parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                        help="start no new check after this long")
+    parser.add_argument("--log-level", default="WARNING", help="INFO shows where each check's time goes")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     if args.render:
         data = json.loads(Path(args.out).read_text())
         rows = data.pop("problems")

@@ -570,7 +570,7 @@ async def benchmark_candidate(
     findings.extend(busy_finding(name, cpu, wall) for name, (cpu, wall) in idle_totals.items()
                     if IdleWatch.exceeds(cpu, wall))
     if keep_warm and device != "cpu":  # on a CPU its start-up would compete with what is timed next
-        warm.prewarm(prep_template, job_dir.parent / "warm")  # on the loop's thread
+        warm.prewarm(prep_template, job_dir.parent / "warm", depth=2)  # on the loop's thread
     shape_samples = block_shapes(shape_meta, samples) if wall_clock else [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],

@@ -34,9 +34,9 @@ from loom_mcp.sandbox.runner import Launched, ProgressCallback, spawn, supervise
 log = logging.getLogger(__name__)
 
 IDLE_S = 600.0
-MAX_IDLE = 2  # each holds an interpreter with torch imported (hundreds of MB)
+MAX_IDLE = 3  # each holds an interpreter with torch imported (hundreds of MB)
 _lock = threading.Lock()
-_idle: dict[str, Launched] = {}  # one idle worker per key, oldest first
+_idle: dict[str, list[Launched]] = {}  # per key, oldest (readiest) first; keys oldest first
 
 
 def warm_argv(python: str, module: str) -> list[str]:
@@ -79,38 +79,63 @@ def _fresh(template: JobSpec, pool_dir: Path) -> Launched:
 
 
 def _take_idle(key: str) -> Launched | None:
+    """The oldest idle worker for `key` that is still alive (it has had longest to start)."""
+    dead: list[Launched] = []
+    worker = None
     with _lock:
-        worker = _idle.pop(key, None)
-    if worker is not None and not worker.alive():
-        worker.discard()
-        return None
+        queue = _idle.get(key, [])
+        while queue and worker is None:
+            first = queue.pop(0)
+            if first.alive():
+                worker = first
+            else:
+                dead.append(first)
+        if not queue:
+            _idle.pop(key, None)
+    for old in dead:
+        old.discard()
     return worker
 
 
-def prewarm(template: JobSpec, pool_dir: Path) -> None:
-    """Start a worker for `template` to be taken later (no-op if one is already idle). Call it
-    from a thread that outlives the worker (the event loop's; see runner.spawn)."""
+def idle_workers() -> list[Launched]:
+    with _lock:
+        return [w for queue in _idle.values() for w in queue]
+
+
+def prewarm(template: JobSpec, pool_dir: Path, depth: int = 1) -> None:
+    """Start workers for `template` until `depth` are idle for it, to be taken later. Call it
+    from a thread that outlives the workers (the event loop's; see runner.spawn).
+
+    A depth of 2 matters where one step takes a worker and the next step comes within a
+    start-up time: the benchmark refills after its timing and the next validation follows at
+    once, so with one idle worker it met one still importing torch."""
     key = _key(template, pool_dir)
-    with _lock:
-        current = _idle.get(key)
-        if current is not None and current.alive():
-            return
-    worker = _fresh(template, pool_dir)
-    with _lock:
-        replaced = _idle.pop(key, None)  # died since the check above, or raced by another call
-        surplus = [replaced] if replaced is not None else []
-        _idle[key] = worker
-        while len(_idle) > MAX_IDLE:
-            surplus.append(_idle.pop(next(iter(_idle))))
+    surplus: list[Launched] = []
+    while True:
+        with _lock:
+            queue = _idle.setdefault(key, [])
+            surplus.extend(w for w in queue if not w.alive())
+            queue[:] = [w for w in queue if w.alive()]
+            if len(queue) >= depth:
+                break
+        worker = _fresh(template, pool_dir)
+        with _lock:
+            _idle.setdefault(key, []).append(worker)
+            _idle[key] = _idle.pop(key)  # newest key last: evicted last
+            while sum(len(q) for q in _idle.values()) > MAX_IDLE:
+                oldest = next(iter(_idle))
+                surplus.append(_idle[oldest].pop(0))
+                if not _idle[oldest]:
+                    del _idle[oldest]
     for old in surplus:
         old.discard()
 
 
-async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Launched:
-    """A worker for `template`: the idle one if there is one, else one started now; its
-    directory is linked at `template.job_dir`. With `refill`, another is started for the next
-    caller (leave it off while something is being timed on the CPU: its start-up would compete
-    for the cores)."""
+async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True, depth: int = 1) -> Launched:
+    """A worker for `template`: the oldest idle one if there is one, else one started now; its
+    directory is linked at `template.job_dir`. With `refill`, others are started until `depth`
+    wait for the next callers (leave it off while something is being timed on the CPU: their
+    start-up would compete for the cores)."""
     await anyio.to_thread.run_sync(isolation.capabilities)  # probed once, off the loop
     # Spawned on the loop's thread, never a pooled one (see runner.spawn: PDEATHSIG).
     worker = _take_idle(_key(template, pool_dir))
@@ -119,7 +144,7 @@ async def take(template: JobSpec, pool_dir: Path, *, refill: bool = True) -> Lau
         log.debug("warm: none idle, started %s", worker.job_dir.name)
     link_into(worker, template.job_dir)
     if refill:
-        prewarm(template, pool_dir)
+        prewarm(template, pool_dir, depth)
     return worker
 
 
@@ -152,8 +177,8 @@ async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dic
 
 def discard_all() -> None:
     """End every idle worker (tests; a server shutting down closes their stdin anyway)."""
+    workers = idle_workers()
     with _lock:
-        workers = list(_idle.values())
         _idle.clear()
     for worker in workers:
         worker.discard()

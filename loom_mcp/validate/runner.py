@@ -103,7 +103,9 @@ async def validate_candidate(
     reference = await warm.take(
         JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
                 env=env, visible_devices=visible, timeout_s=timeout_s, max_file_bytes=JOB_FILE_BYTES),
-        job_dir.parent / "warm", refill=keep_warm)
+        # Two kept on a GPU host: a benchmark takes one, and its refill would still be starting
+        # when the next validation comes. On a CPU each start-up takes a core from this job.
+        job_dir.parent / "warm", refill=keep_warm, depth=1 if device == "cpu" else 2)
     # Written by the reference worker, so in its own directory (the only one it may write).
     cases_dir, cand_go = reference.job_dir / "cases", reference.job_dir / "cand.go"
     cand_spec = JobSpec(
