@@ -43,7 +43,7 @@ from loom_mcp.models import (
     ShapeSpeed,
 )
 from loom_mcp.sandbox import safefs
-from loom_mcp.sandbox.lease import DeviceLease
+from loom_mcp.sandbox.lease import DEVICE_METER, DeviceLease
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
 from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
@@ -190,6 +190,9 @@ class Leased:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.seconds = time.monotonic() - self._start if self.target.is_gpu else 0.0
+        meter = DEVICE_METER.get()
+        if meter is not None:
+            meter.append(self.seconds)
         await self.lease.__aexit__(*exc)
 
 

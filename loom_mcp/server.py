@@ -16,7 +16,7 @@ import sqlite3
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -47,6 +47,7 @@ from loom_mcp.models import (
 )
 from loom_mcp.profiling.analysis import AnalyzeTraceResult
 from loom_mcp.sandbox import policy as sandbox_policy
+from loom_mcp.sandbox.lease import DEVICE_METER
 from loom_mcp.store import ArtifactStore, Ledger
 
 log = logging.getLogger("loom_mcp")
@@ -76,6 +77,7 @@ class CallScope:
 
     device_s: float = 0.0
     campaign_id: str | None = None
+    metered: list[float] = field(default_factory=list)  # every lease the call held (DEVICE_METER)
 
 
 def _probe_writable(directory: Path) -> None:
@@ -199,7 +201,9 @@ def _end_call(services: Services, call_id: int | None, outcome: str, scope: Call
     if call_id is None:
         return None
     try:
-        services.ledger.end_call(call_id, outcome, error_code=error_code, device_s=scope.device_s,
+        # A call that failed after holding the device still spent it (its budget counts it).
+        device_s = max(scope.device_s, sum(scope.metered))
+        services.ledger.end_call(call_id, outcome, error_code=error_code, device_s=device_s,
                                  campaign_id=scope.campaign_id)
     except Exception as exc:  # reported, never raised over the call's own outcome
         coded = storage_error(exc, services.config.home)
@@ -246,6 +250,7 @@ async def run_recorded(
             raise ToolError(f"[INTERNAL] {tool} could not be recorded in the ledger "
                             f"({type(exc).__name__}); the server log has details") from exc
         raise ToolError(f"{coded} ({tool} was not run: the ledger could not record it)") from exc
+    DEVICE_METER.set(scope.metered)  # this call's task (and its children) only
     try:
         result = await body(scope)
     except LoomError as exc:
@@ -768,12 +773,15 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         return orjson.dumps(row, option=orjson.OPT_INDENT_2).decode()
 
     @server.prompt(title="Optimization loop")
-    def optimization_loop(goal: str, repo: str = ".") -> str:
-        """The loop playbook for one goal."""
+    def optimization_loop(goal: str, repo: str = "") -> str:
+        """The loop playbook for one goal (repo: the repository's absolute path)."""
+        # Tools refuse relative paths (they would resolve against the server's directory).
+        where = repo if repo.startswith("/") else "(its absolute path: tools refuse relative ones)"
         return (
-            f"Goal: {goal}\nRepository: {repo}\n\n"
+            f"Goal: {goal}\nRepository: {where}\n\n"
             "1. device_info: know the device, its peaks and toolchain.\n"
-            "2. start_campaign(repo, goal): note the campaign_id.\n"
+            "2. start_campaign(repo=<absolute path>, goal): note the campaign_id; later paths may "
+            "be relative to that repository.\n"
             "3. Find where the time goes (profile, analyze_trace); pick the op with the largest "
             "Amdahl ceiling.\n"
             "4. Write a candidate ModelNew for the task; compile_kernel, then run_validation until it "

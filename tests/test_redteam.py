@@ -109,6 +109,17 @@ async def bench(server, workspace: Path, candidate: str, shape: str = "rows5_d37
     return result.structured_content
 
 
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize(("candidate", "proven"), [("honest_triton.py", True),
+                                                   ("cheat_kernel_in_init.py", False)])
+async def test_proof_of_execution_records_the_forward_only(server, workspace, candidate, proven):
+    """The proof process's profiler warms up beside the timing and records one forward: a kernel
+    launched only while the model is built proves nothing."""
+    timed = await bench(server, workspace, candidate)
+    assert timed["proof_of_execution"] is proven, timed["proof_note"]
+
+
 @pytest.mark.anyio
 async def test_phase_detection_is_caught_while_timed(server, workspace):
     """Honest for its first 20 calls (enough to pass validation), garbage afterwards."""

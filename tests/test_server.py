@@ -151,3 +151,6 @@ async def test_campaign_resource_and_prompt(client, git_repo):
     assert "optimization_loop" in [p.name for p in prompts.prompts]
     prompt = await client.get_prompt("optimization_loop", {"goal": "decode tokens/s"})
     assert "decode tokens/s" in prompt.messages[0].content.text
+    assert "absolute path" in prompt.messages[0].content.text  # "." would be refused by the tools
+    prompt = await client.get_prompt("optimization_loop", {"goal": "g", "repo": str(git_repo)})
+    assert f"Repository: {git_repo}" in prompt.messages[0].content.text

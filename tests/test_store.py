@@ -82,3 +82,31 @@ def test_artifacts_are_content_addressed_and_atomic(tmp_path):
     with pytest.raises(LoomError, match=r"\[NOT_FOUND\]"):
         store.get_bytes("0" * 64)
     assert os.stat(store.path_for(sha)).st_size == len(b"kernel source")
+
+
+@pytest.mark.anyio
+async def test_a_call_that_fails_holding_a_gpu_is_charged_its_device_seconds(tmp_path):
+    """A campaign's device budget counts what a call held, not only what a call that succeeded
+    held: failing after minutes on the GPU would otherwise cost nothing."""
+    import anyio
+
+    from loom_mcp.config import load_config
+    from loom_mcp.errors import ErrorCode
+    from loom_mcp.judge import Leased, Target
+    from loom_mcp.models import DeviceInfo
+    from loom_mcp.server import open_services, run_recorded
+
+    config = load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)})
+    services = open_services(config)
+    gpu = Target(torch_device="cuda:0", device=DeviceInfo(index=0, vendor="nvidia", name="test GPU"),
+                 lease_key="nvidia:0")
+
+    async def body(scope):
+        async with Leased(config, gpu, None):
+            await anyio.sleep(0.2)
+        raise LoomError(ErrorCode.TIMEOUT, "the job timed out")
+
+    with pytest.raises(Exception, match=r"\[TIMEOUT\]"):
+        await run_recorded(services, "run_validation", {}, body)
+    (row,) = services.ledger.calls("run_validation")
+    assert row.outcome == "error" and row.device_s >= 0.2

@@ -274,15 +274,17 @@ async def main() -> int:
                                        candidate=str(cand), seeds=None, shapes=shapes, campaign_id=None,
                                        progress=None)
             t2 = time.perf_counter()
-            result, _, _ = await bench(task, cand, shapes=shapes)
+            result, evidence, _ = await bench(task, cand, shapes=shapes)
             t3 = time.perf_counter()
             runs.append({"attempt": attempt, "compile_s": t1 - t0, "validate_s": t2 - t1,
                          "benchmark_s": t3 - t2, "total_s": t3 - t0,
+                         "proof_of_execution": evidence.proof_of_execution, "proof_note": evidence.proof_note,
                          "speedups": {s.name: round(s.speedup, 3) for s in result.shapes},
                          "pairs": {s.name: s.pairs for s in result.shapes},
                          "stop_reasons": {s.name: s.stop_reason for s in result.shapes}})
             print(f"turnaround {attempt}: compile {t1 - t0:.1f} s, validate {t2 - t1:.1f} s, "
-                  f"benchmark {t3 - t2:.1f} s, total {t3 - t0:.1f} s", flush=True)
+                  f"benchmark {t3 - t2:.1f} s, total {t3 - t0:.1f} s; proof {evidence.proof_of_execution} "
+                  f"({evidence.proof_note})", flush=True)
         results["turnaround"] = runs
         save()
 

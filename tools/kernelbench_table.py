@@ -301,7 +301,6 @@ async def run_table(args: argparse.Namespace) -> int:
             row = merged["rows"].get((level, problem_id(path)))
             if row is None:
                 row = {"level": level, "id": problem_id(path), "name": path.stem, "task_globals": applied}
-                rows.append(row)
             for kind in kinds:
                 if row.get(kind) and row.get("task_globals", {}) == applied:
                     continue  # measured by an earlier run
@@ -311,6 +310,8 @@ async def run_table(args: argparse.Namespace) -> int:
                 candidate.write_text(candidate_source(source, kind))
                 row[kind] = await check_one(services, task, candidate, applied, args.timeout)
                 row[kind]["measured"] = f"{meta['date']}, {meta['device']}"
+                if not any(r is row for r in rows):  # a problem enters the table with its first check
+                    rows.append(row)
                 print(f"level {level} {path.stem} {kind}: {row[kind]['verdict']} "
                       f"validated={row[kind].get('validated')} {fmt_speedup(row[kind])} "
                       f"{row[kind]['check_s']:.1f} s {row[kind].get('error') or ''}", flush=True)

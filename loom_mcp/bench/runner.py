@@ -72,6 +72,25 @@ class ArmConnection:
         return reply
 
 
+async def farewell(conn: ArmConnection) -> dict:
+    """Send quit and read its reply, past any reply a failed timing left unread (the proof
+    process answers trace_start and load only when asked for them after the timing)."""
+    try:
+        await conn.send({"op": "quit"})
+    except Exception:
+        return {}
+    for _ in range(4):
+        try:
+            reply = await conn.receive(5)
+        except ArmError:
+            continue
+        except Exception:
+            return {}
+        if reply.get("bye"):
+            return reply
+    return {}
+
+
 class ArmError(Exception):
     def __init__(self, role: str, message: str) -> None:
         super().__init__(f"{role}: {message}")
@@ -483,6 +502,10 @@ async def benchmark_candidate(
                             raise ArmError(role, f"its process {job.failure()}")
                         startup["done"] = True
                         arms_ready = time.monotonic() - begun
+                        if "proof" in arms:
+                            # Its profiler's start-up (seconds of CUPTI) and its load overlap the
+                            # others' load and the timing; both replies are read after the timing.
+                            await arms["proof"].send({"op": "trace_start"})
                         with anyio.fail_after(timeout_s):
                             await prepared.wait()
                         inputs_ready = time.monotonic() - begun
@@ -494,10 +517,9 @@ async def benchmark_candidate(
                         if block == 0:
                             shape_meta.extend(prep.result["shapes"])
                         samples.update({m["name"]: {"a": [], "b": [], "throttled": []} for m in shape_meta})
-                        for conn in arms.values():  # the timer loads its arms itself
-                            await conn.ask({"op": "load"}, timeout_s)
-                        if "proof" in arms:  # answered when its profiler is up; read after the timing
-                            await arms["proof"].send({"op": "trace_start"})
+                        await arms["timer"].ask({"op": "load"}, timeout_s)  # it loads its arms
+                        if "proof" in arms:
+                            await arms["proof"].send({"op": "load"})
                         if wall_clock and hasattr(os, "sched_setaffinity"):
                             cpus = sorted(os.sched_getaffinity(0))
                             pinned = await anyio.to_thread.run_sync(
@@ -525,12 +547,11 @@ async def benchmark_candidate(
                     finally:
                         for conn in arms.values():
                             with anyio.move_on_after(5):
-                                try:
-                                    bye = await conn.ask({"op": "quit"}, 5)
-                                except Exception:
-                                    continue
-                                # What the candidate's audit-hook guard refused (the timer relays it).
-                                findings.extend(Finding(**f) for f in guard_findings(bye.get("guard")))
+                                bye = await farewell(conn)
+                                # What the candidate's audit-hook guard refused: the timer relays
+                                # the candidate arm's, the proof process reports its own.
+                                refused = bye.get("guard") if conn.role == "timer" else bye.get("violations")
+                                findings.extend(Finding(**f) for f in guard_findings(refused))
                         # Nothing of the arms is needed past "quit": end them now instead of waiting
                         # for an interpreter with a device context (and a profiler) to wind down.
                         tg.cancel_scope.cancel()
@@ -731,7 +752,8 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
     if "proof" in arms:  # on a GPU (see benchmark_candidate)
         proof_started = time.monotonic()
         try:
-            started = await arms["proof"].receive(timeout_s)
+            started = await arms["proof"].receive(timeout_s)  # trace_start, sent before the load
+            await arms["proof"].receive(timeout_s)  # load
             listing = await arms["proof"].ask({"op": "trace", "shape": len(shape_meta) - 1}, timeout_s)
         except ArmError as exc:  # no profiler here (permissions, no CUPTI): say so, judge the rest
             note = f"no proof of execution: the profiler failed ({exc})"

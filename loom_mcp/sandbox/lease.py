@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import time
+from contextvars import ContextVar
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +25,10 @@ from typing import Any
 import anyio
 
 from loom_mcp.errors import ErrorCode, LoomError
+
+# The device seconds of the tool call being served, failed and cancelled steps included: the
+# server gives each call its own list, and every lease the call holds adds to it.
+DEVICE_METER: ContextVar[list[float] | None] = ContextVar("loom_device_meter", default=None)
 
 _POLL_MIN_S = 0.01
 _POLL_MAX_S = 0.25

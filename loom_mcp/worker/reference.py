@@ -516,11 +516,10 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
     return estimate
 
 
-def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], bool]:
+def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]]]:
     """Plan the cases, write their inputs (and the reference's weights) for the candidate, and
-    keep them here. Also whether the task's inputs are reproducible from the seed (the first
-    case generated twice): a task that ignores the seed gives reports no one can rerun.
-    Each case's tensors are written as soon as they are made (see loom_mcp.worker.handoff)."""
+    keep them here. Each case's tensors are written as soon as they are made (see
+    loom_mcp.worker.handoff)."""
     cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
     check_fits(task, cases, request, device)
     writer = handoff.BundleWriter(request["cases_dir"])
@@ -533,14 +532,19 @@ def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict
                                       "init_inputs": init_inputs, "state_dict": dict(state)}))
         kept.append((inputs, init_inputs))
         del model, state
-    reproducible = True
-    if cases:
-        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device)
-        reproducible = tensor_digest(again) == tensor_digest(kept[0][0])
-        del again
     writer.close(written)
     mark("inputs_written")
-    return cases, kept, reproducible
+    return cases, kept
+
+
+def inputs_reproducible(task, cases: list[dict], kept: list[tuple[list, list]], device: torch.device) -> bool:
+    """Whether the task's inputs come back the same from the seed (the first case drawn again):
+    a task that ignores the seed gives reports no one can rerun. Asked once the candidate runs,
+    off its critical path."""
+    if not cases:
+        return True
+    again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device)
+    return tensor_digest(again) == tensor_digest(kept[0][0])
 
 
 class CandidateOutputs:
@@ -588,9 +592,10 @@ def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     apply_task_globals(task, request.get("task_globals"), strict=True)
     device = pick_device(request.get("device"))
-    cases, kept, reproducible = _prepare_cases(task, request, device)
+    cases, kept = _prepare_cases(task, request, device)
     if request.get("cand_go_file"):
         publish_go(request["cand_go_file"], {}, os.environ.get("LOOM_GO_SIGNER", ""))
+    reproducible = inputs_reproducible(task, cases, kept, device)
     if device.type == "cuda":
         torch.zeros(1, device=device)  # the context, while the candidate runs
     tolerances = {canonical_key(k): v for k, v in (request.get("tolerances") or {}).items()}
@@ -653,6 +658,15 @@ def validate(request: dict) -> dict:
             entry["outputs"].append(one)
         results.append(entry)
     return {"planned": cases, "cases": results, "device": str(device)}
+
+
+def warm_up() -> None:
+    """Run by a warm worker while it waits for a job: the first computation on the meta device
+    (check_fits sizes every job that way) imports torch's reference decompositions and sympy,
+    1-4 s that were on every validation's critical path."""
+    with torch.device("meta"), torch.no_grad():
+        x = torch.randn(2, 8)
+        torch.nn.functional.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)), torch.randn(4, 8))
 
 
 def main() -> None:
