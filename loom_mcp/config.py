@@ -12,11 +12,14 @@ import hashlib
 import os
 import re
 import shlex
+import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import GateConfig
@@ -49,6 +52,21 @@ def _three_quarters_of_ram() -> int:
         return 16 << 30
 
 
+def default_disk_bytes(home: Path | str | None) -> int:
+    """job_disk_bytes' default: half the free space of LOOM_HOME's file system when the server
+    starts, and at least 16 GiB. A fixed 16 GiB refused KernelBench problems whose five cases of
+    outputs alone are 20 GiB, on a machine with 64 GB free."""
+    floor = 16 << 30
+    where = Path(home) if home is not None else Path.cwd()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return floor
+    return max(floor, free // 2)
+
+
 class LoomConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     home: Path
@@ -70,7 +88,15 @@ class LoomConfig(BaseModel):
         description="Memory of one job (cgroup memory.max, else RLIMIT_DATA); default 75% of RAM")
     job_disk_bytes: int = Field(
         default=16 << 30, gt=0,
-        description="What one job's directories may grow by (it is killed past it); also its /tmp size")
+        description="What one job's directories may grow by (it is killed past it); also its /tmp "
+        "size. Default: half the free space of LOOM_HOME's file system at start, at least 16 GiB")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _disk_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "job_disk_bytes" not in data:
+            data = {**data, "job_disk_bytes": default_disk_bytes(data.get("home"))}
+        return data
 
     _source: ConfigSource | None = PrivateAttr(default=None)
     _seen: tuple[tuple | None, str | None] | None = PrivateAttr(default=None)
@@ -253,9 +279,9 @@ def read_config_file(config_file: Path) -> dict:
         problems = []
         for error in exc.errors()[:5]:
             loc = [str(part) for part in error["loc"]]
-            line = _line_of(text, loc[-1]) if loc else None
-            where = f"{config_file}:{line}" if line else str(config_file)
-            problems.append(f"{where}: {'.'.join(loc) or '(top level)'}: {error['msg']}")
+            line_no = _line_of(text, loc[-1]) if loc else None
+            place = f"{config_file}:{line_no}" if line_no else str(config_file)
+            problems.append(f"{place}: {'.'.join(loc) or '(top level)'}: {error['msg']}")
         more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
         raise _invalid(f"{'; '.join(problems)}{more}", config_file) from exc
     return data
@@ -274,7 +300,7 @@ def default_rules_fingerprint() -> str:
     return rules_fingerprint({})
 
 
-def resolve_home(home: Path | None = None, environ: dict[str, str] | None = None) -> Path:
+def resolve_home(home: Path | None = None, environ: Mapping[str, str] | None = None) -> Path:
     """argument > LOOM_HOME > platform state dir."""
     env = os.environ if environ is None else environ
     return Path(home or env.get("LOOM_HOME") or default_home()).expanduser().resolve()

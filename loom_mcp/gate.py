@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 from loom_mcp.judge_models import (
     GPU_TIMERS,
@@ -374,6 +375,7 @@ def decide(
         if validation is not None:
             _judge_coverage(validation, benchmark, out)
 
+    verdict: Literal["accept", "reject", "needs_review"]
     if out.blocking:
         verdict = "reject"
     elif out.review:

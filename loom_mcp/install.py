@@ -59,7 +59,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:  # moved to importlib.resources.abc in 3.11
+        from importlib.abc import Traversable
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -185,6 +185,7 @@ def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
     own = db is None
     if own:
         db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
+    assert db is not None  # the caller's connection, or the one opened just above
     try:
         try:
             problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
@@ -397,6 +398,7 @@ class Ledger:
                 " VALUES (?,?,?,?, 'running', ?)",
                 (tool, args_hash(arguments), campaign_id, time.time(), os.getpid()),
             )
+            assert cur.lastrowid is not None  # set by the INSERT just run
             return int(cur.lastrowid)
 
     def end_call(

@@ -105,7 +105,8 @@ def check_budgets(ledger: Ledger, campaign: dict, ceiling: Budgets | None = None
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
-    files = {f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
+    files: dict[str, str | None] = {
+        f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 

@@ -66,6 +66,16 @@ async def validate(server, workspace: Path, candidate: str) -> dict:
 
 
 @pytest.mark.anyio
+async def test_a_result_of_the_wrong_shape_is_the_candidates_crash_not_internal(server, workspace):
+    """The result pipe carries whatever the worker's process sends: a candidate that answers it
+    with an array and exits 0 fails validation as a crash (it was [INTERNAL] before)."""
+    report = await validate(server, workspace, "cheat_list_result.py")
+    assert report["passed"] is False
+    crash = [f for f in report["findings"] if f["check"] == "validation.crash"]
+    assert crash and "not a result object" in crash[0]["message"]
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("candidate", ["honest_torch.py", "honest_triton.py"])
 async def test_honest_candidates_pass(server, workspace, candidate):
     report = await validate(server, workspace, candidate)

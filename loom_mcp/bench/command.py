@@ -82,7 +82,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import anyio.to_thread
 import numpy as np
@@ -259,7 +259,7 @@ class OutputError(ValueError):
     """The output of a run cannot be read as metrics (deterministic: never retried)."""
 
 
-def _numeric(value: Any) -> bool:
+def _numeric(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -741,6 +741,7 @@ async def benchmark_commands(
     """
     started = time.monotonic()
     gate = gate or GateConfig()
+    arm: Arm  # the loops below walk the two arms
     for arm, argv in (("baseline", baseline), ("candidate", candidate)):
         if not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
             raise LoomError(ErrorCode.BAD_INPUT, f"{arm} command must be a non-empty argv list")

@@ -656,12 +656,14 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
                 # while the baseline is timed.
                 watching = role == "baseline" and idle is not None
                 if watching:  # a /proc scan: off the event loop
+                    assert idle is not None  # watching implies it
                     cpu_before = await anyio.to_thread.run_sync(idle.cpu_s)
                     wall_before = time.monotonic()
                 part = await arms["timer"].ask({"op": "batch", "order": [role], "salt": salt,
                                                 "probe": probe, "empties": EMPTY_CALLS}, timeout_s)
                 if watching:
                     wall = time.monotonic() - wall_before
+                    assert idle is not None  # watching implies it
                     idle.add(await anyio.to_thread.run_sync(idle.cpu_s) - cpu_before, wall)
                 got["arms"].update(part["arms"])
                 got["overhead"] = got.get("overhead", []) + (part.get("overhead") or [])

@@ -427,7 +427,7 @@ def _joint(
     if methods == {"degenerate"}:
         combined = _degenerate(combined_estimate, level)
     else:
-        method: Literal["paired_bootstrap", "independent_bootstrap"] = (
+        method = (  # typed by log_ratio_replicates above
             "paired_bootstrap"
             if methods <= {"paired_bootstrap", "degenerate"}
             else "independent_bootstrap"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal, cast
 
 from loom_mcp.models import CompileDiagnostic, KernelResources
 
@@ -110,7 +111,9 @@ def parse_diagnostics(text: str, source: Path | None = None) -> list[CompileDiag
         file = m.group("file")
         if source is not None and Path(file).name == source.name:
             file = str(source)
-        found.append(CompileDiagnostic(severity=m.group("sev"), message=m.group("msg").strip(),
+        # the patterns admit only error|warning|note here (remark skipped above)
+        severity = cast(Literal["error", "warning", "note"], m.group("sev"))
+        found.append(CompileDiagnostic(severity=severity, message=m.group("msg").strip(),
                                        file=file, line=int(m.group("line"))))
     return found
 

@@ -92,6 +92,7 @@ async def compile_source(
         result = await _compile_triton(source, task, device, job_dir, timeout_s, compiler,
                                        effective_target, progress, task_globals)
     else:
+        assert status is not None  # found above for every language but triton
         result = await _compile_native(source, language, status.path, effective_target, flags,
                                        job_dir, timeout_s, compiler, artifacts, progress)
     result.seconds = time.perf_counter() - started
@@ -156,7 +157,7 @@ async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, ta
         raise over
     if job.timed_out:
         raise LoomError(ErrorCode.TIMEOUT, f"compiling {source.name} did not finish in {timeout_s:.0f} s")
-    report = job.result if job.ok and job.result else None
+    report = job.report  # the worker imports the candidate, which could send anything
     if report is None:
         raise LoomError(ErrorCode.WORKER_CRASHED,
                         f"the compile worker died ({job.signal or job.returncode}): {job.stderr_tail[-800:]}")

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from loom_mcp.models import DeviceInfo, ThrottleState
 
@@ -126,7 +126,8 @@ def _sm_count(pynvml: ModuleType, handle: Any, capability: tuple[int, int] | Non
         count = getattr(attrs, "multiprocessorCount", None)
         if count:
             return int(count)
-    per_sm = _CORES_PER_SM.get(tuple(capability)) if capability else None
+    # tuple(): NVML's (major, minor), whatever sequence type it comes as
+    per_sm = _CORES_PER_SM.get(cast("tuple[int, int]", tuple(capability))) if capability else None
     getter = getattr(pynvml, "nvmlDeviceGetNumGpuCores", None)
     cores = _opt(getter, handle) if getter and per_sm else None
     return cores // per_sm if cores and per_sm and cores % per_sm == 0 else None

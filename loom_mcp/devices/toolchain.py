@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -119,7 +119,7 @@ def _package_stamp(name: str) -> list[Any]:
     if spec is None or not spec.origin:
         return [name, None]
     origin = Path(spec.origin)
-    stamps = []
+    stamps: list[int | None] = []
     for path in (origin, origin.parent, origin.parent / "version.py"):
         try:
             stamps.append(path.stat().st_mtime_ns)
@@ -191,7 +191,7 @@ async def _probe_torch() -> tuple[dict[str, Any] | None, str | None]:
     if not getattr(result, "ok", False) or not isinstance(getattr(result, "result", None), dict):
         tail = (getattr(result, "stderr_tail", "") or "").strip().splitlines()[-3:]
         return None, "torch probe worker failed" + (f": {' | '.join(tail)}" if tail else "")
-    return result.result, None
+    return cast("dict[str, Any]", result.result), None  # a dict: checked just above
 
 
 def _toolchain(facts: dict[str, Any] | None, error: str | None, tools: list[ToolStatus]) -> Toolchain:

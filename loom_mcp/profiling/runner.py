@@ -44,7 +44,7 @@ async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, w
         request={"trace_file": str(trace), "task": task, "candidate": candidate, "shape": shape,
                  "script": script, "args": args, "warmup": warmup, "active": active, "device": device},
     ), on_progress=progress)
-    report = job.result if job.ok and job.result else None
+    report = job.report  # the workload is candidate code, which could send anything
     if report is None:
         raise LoomError(ErrorCode.WORKER_CRASHED, f"the profiled workload {job.failure()}")
     if report["error"]:

@@ -498,13 +498,13 @@ def _cgroup_dirs() -> list[tuple[str, set[str], Path]]:
     v2_path = None
     v1_paths: dict[str, str] = {}
     for line in cgroup_lines:
-        hier, controllers, path = line.split(":", 2)
-        if hier == "0" and controllers == "":
-            v2_path = path
+        hier, names, cg_path = line.split(":", 2)
+        if hier == "0" and names == "":
+            v2_path = cg_path
         else:
-            for controller in controllers.split(","):
-                v1_paths[controller] = path
-    dirs = []
+            for controller in names.split(","):
+                v1_paths[controller] = cg_path
+    dirs: list[tuple[str, set[str], Path]] = []
     for line in mount_lines:
         pre, _, post = line.partition(" - ")
         fields, post_fields = pre.split(), post.split()

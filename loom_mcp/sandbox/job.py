@@ -164,6 +164,14 @@ class JobResult(BaseModel):
                 and not self.disk_exceeded)
 
     @property
+    def report(self) -> dict[str, Any] | None:
+        """What the worker sent, when it ended well and sent a JSON object: the workers that
+        run candidate code could send anything (an array, a number) through the same pipe."""
+        if self.ok and isinstance(self.result, dict) and self.result:
+            return self.result
+        return None
+
+    @property
     def limit_exceeded(self) -> str | None:
         """Which resource limit ended the job, in words, or None."""
         if self.memory_exceeded:
@@ -192,6 +200,8 @@ class JobResult(BaseModel):
             return f"timed out after {self.wall_s:.0f} s"
         if self.signal:
             return f"died with {self.signal}"
+        if self.ok and self.result is not None and not isinstance(self.result, dict):
+            return f"exited with 0 after sending a {type(self.result).__name__}, not a result object"
         tail = " | ".join(self.stderr_tail.strip().splitlines()[-6:])
         return f"exited with {self.returncode}: {tail}"
 

@@ -284,8 +284,8 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
     root_view = None
     extra = [Path(p).resolve() for p in spec.writable]
     if spec.readonly_fs:
-        for path in extra:
-            path.mkdir(parents=True, exist_ok=True)
+        for extra_dir in extra:
+            extra_dir.mkdir(parents=True, exist_ok=True)
         writable = [str(job_dir), *map(str, extra)]
         if os.path.isdir("/dev/shm"):
             writable.append("/dev/shm")
@@ -342,6 +342,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         # Only the child keeps the write ends: EOF then means "every writer is gone".
         os.close(result_w)
         os.close(meta_w)
+    assert process.stdout is not None and process.stderr is not None  # both PIPE above
     for fd in (result_r, meta_r, process.stdout.fileno(), process.stderr.fileno()):
         os.set_blocking(fd, False)
     return Launched(spec=spec, process=process, job_dir=job_dir, cgroups=cgroups, result_r=result_r,
@@ -439,6 +440,7 @@ async def supervise(launched: Launched, on_progress: ProgressCallback | None = N
     and turn what happened into a JobResult. If the calling scope is cancelled, the worker's
     whole process tree is killed and reaped before the cancellation propagates."""
     spec, process = launched.spec, launched.process
+    assert process.stdout is not None and process.stderr is not None  # launch() made both pipes
     out, err = _Tail(spec.max_output_bytes), _Tail(spec.max_output_bytes)
     result_sink, meta_sink = _Collect(MAX_RESULT_BYTES), _Collect(1 << 16)
     timed_out = False

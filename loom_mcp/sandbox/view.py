@@ -156,8 +156,8 @@ class Plan:
             for where, to in links:
                 self.links[where] = to
         if system:
-            for other, entry in self.binds.items():
-                if entry["src"] == other and _under(real, other) and entry["mode"] == mode:
+            for other, bound in self.binds.items():
+                if bound["src"] == other and _under(real, other) and bound["mode"] == mode:
                     return
         entry = self.binds.get(target)
         if entry is not None:

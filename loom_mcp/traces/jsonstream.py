@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import ijson
 import numpy as np
@@ -45,6 +45,12 @@ def open_trace_file(path: Path) -> IO[bytes]:
     from loom_mcp.sandbox.safefs import open_resolved
 
     return open_resolved(os.path.abspath(path), max_bytes=None)
+
+
+class ByteSource(Protocol):
+    """What the stream wrappers below need of their source: a file or another wrapper."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 # bytes.translate table: 1 for the bytes that matter to nesting, 0 for the rest; the result
@@ -155,7 +161,7 @@ class GuardedReader:
 
     def __init__(
         self,
-        raw: IO[bytes],
+        raw: IO[bytes] | gzip.GzipFile,
         file: IO[bytes],
         name: str,
         limits: _limits.TraceLimits,
@@ -175,7 +181,7 @@ class GuardedReader:
 
     def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:
-            parts = []
+            parts: list[bytes] = []
             while True:
                 b = self.read(READ_BYTES * 16)
                 if not b:
@@ -230,7 +236,9 @@ def open_bytes(path: Path, limits: _limits.TraceLimits | None = None) -> Guarded
     try:
         magic = f.read(2)
         f.seek(0)
-        raw: IO[bytes] = gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+        raw: IO[bytes] | gzip.GzipFile = (
+            gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+        )
     except BaseException:
         f.close()
         raise
@@ -257,7 +265,7 @@ class RecordingReader:
     """File-like wrapper that counts bytes and keeps the head and a rolling tail."""
 
     def __init__(
-        self, raw: IO[bytes], head_limit: int | None = None, tail_limit: int | None = None
+        self, raw: ByteSource, head_limit: int | None = None, tail_limit: int | None = None
     ):
         self.raw = raw
         self.pos = 0
@@ -390,7 +398,7 @@ class BigIntSafeReader:
     split across two reads is seen whole.
     """
 
-    def __init__(self, raw: IO[bytes]):
+    def __init__(self, raw: ByteSource):
         self.raw = raw
         self.carry = b""
 

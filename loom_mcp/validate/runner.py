@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -137,8 +137,10 @@ async def validate_candidate(
     })
 
     def reference_failure(ref: JobResult) -> LoomError:
-        detail = (ref.result or {}).get("error") or _job_failure("reference", ref)
-        if (ref.result or {}).get("error_code") == "RESOURCE_LIMIT":
+        # The reference worker runs no candidate code: what it sends is an object (or nothing).
+        sent = cast("dict[str, Any]", ref.result or {})
+        detail = sent.get("error") or _job_failure("reference", ref)
+        if sent.get("error_code") == "RESOURCE_LIMIT":
             return LoomError(ErrorCode.RESOURCE_LIMIT, f"validation does not fit: {detail}")
         if out_of_memory(ref):
             return LoomError(ErrorCode.RESOURCE_LIMIT, "the reference process ran out of memory "
@@ -160,7 +162,7 @@ async def validate_candidate(
         if await jobs.first_done("ref", "cand") == "ref":
             raise reference_failure(jobs.results["ref"])
         cand = jobs.results["cand"]
-        cand_result = cand.result if cand.ok and cand.result else None
+        cand_result = cand.report  # None unless a JSON object: the candidate could send anything
         # What the candidate worker's audit hook refused: from its result and from the lines it
         # wrote to stderr as each happened (either channel is enough; errors fail validation).
         reported = cand.result.get("guard") if isinstance(cand.result, dict) else None
@@ -187,7 +189,7 @@ async def validate_candidate(
         publish_go(str(signals / "ref.go"), {}, token)
         await say("comparing with the reference")
         ref = await jobs.result("ref")
-        if not ref.ok or not ref.result or ref.result.get("error"):
+        if not ref.ok or not ref.result or cast("dict[str, Any]", ref.result).get("error"):
             raise reference_failure(ref)
         return ref, cand_result
 

@@ -99,7 +99,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 # Check name -> what it means, for reports.
 CHECKS: dict[str, str] = {
@@ -228,7 +228,8 @@ def findings(violations: Iterable[dict[str, Any]] | None, stderr: str = "") -> l
 
     for v in violations or []:
         if isinstance(v, dict) and isinstance(v.get("check"), str):
-            count = v.get("count") if isinstance(v.get("count"), int) and v["count"] > 0 else 1
+            count = (cast(int, v.get("count"))
+                     if isinstance(v.get("count"), int) and v["count"] > 0 else 1)
             add(v["check"], str(v.get("severity", "error")), str(v.get("message") or v["check"]),
                 v.get("where"), count)
     for line in stderr.splitlines():
@@ -350,7 +351,7 @@ def _build(candidate_paths, watch, echo: bool, max_records: int):  # noqa: C901 
             snapshot.append((module.__name__, module, namespace, list(namespace.items())))
 
     try:
-        import _signal
+        import _signal  # type: ignore[import-not-found]  # CPython's C module; typeshed has no stub
 
         signals = sorted(_signal.valid_signals())
         getsignal = _signal.getsignal
@@ -374,7 +375,7 @@ def _build(candidate_paths, watch, echo: bool, max_records: int):  # noqa: C901 
     function_type = type(_build)
     method_type = type(Guard.__init__.__get__(object()))
     base_new = BaseException.__new__
-    set_args = BaseException.args.__set__
+    set_args = cast(Any, BaseException.args).__set__  # a getset descriptor; typeshed says tuple
     refused_type = type("GuardViolation", (GuardViolation,), {"__module__": __name__})
     lexical = _lexical
     checks = dict(CHECKS)
@@ -493,7 +494,7 @@ def _build(candidate_paths, watch, echo: bool, max_records: int):  # noqa: C901 
 
     def refuse(check: str, event: str, detail: str, frame):
         entry = record(check, event, detail, frame)
-        exc = base_new(refused_type)
+        exc: BaseException = base_new(refused_type)
         set_args(exc, (f"loom guard: {entry['message']}",))
         return exc
 
@@ -537,6 +538,7 @@ def _build(candidate_paths, watch, echo: bool, max_records: int):  # noqa: C901 
         the interpreter's own frozen module's)?"""
         try:
             name = text(code.co_filename)
+            assert name is not None  # co_filename is a str; a failure returns False as before
             if name.startswith("<frozen ") and name.endswith(">"):
                 return get_frozen(name[8:-1]) == code
             with _open(name, "rb") as f:

@@ -19,8 +19,10 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from typing import Any
 
+send_result: Callable[[Any], None] | None  # None: run by hand, with nowhere to send
 try:  # before torch: importing the protocol keeps the result pipe out of anything torch spawns
     from loom_mcp.worker.protocol import RESULT_FD_ENV, send_result
 except ImportError:  # a bare interpreter, run by hand

@@ -126,7 +126,7 @@ def prepare_bench(request: dict) -> dict:
     shapes = [c["shape"] for c in plan_cases(task, 1, request.get("shapes"), nonce)]
     out, meta = [], []
     for shape in shapes:
-        sets = []
+        sets: list[dict[str, Any]] = []
         for i in range(request.get("max_sets", 2)):
             seed = derive_seed(nonce, shape["name"], 1000 + i)
             inputs, init_inputs = make_case(task, shape, seed, "normal", device)

@@ -173,11 +173,12 @@ def read_nsys(path: Path) -> TraceData:
         # they are inspected for the metadata note only, never kept.
         if "TARGET_INFO_SYSTEM_ENV" in tables:
             cols = _columns(db, "TARGET_INFO_SYSTEM_ENV")
-            key = _name_expr(cols, strings, "nameId", "name")
-            val = _name_expr(cols, strings, "valueId", "value")
+            key_expr = _name_expr(cols, strings, "nameId", "name")
+            val_expr = _name_expr(cols, strings, "valueId", "value")
             env = {
                 str(k): str(v)
-                for k, v in db.execute(f"SELECT {key}, {val} FROM TARGET_INFO_SYSTEM_ENV AS t")
+                for k, v in db.execute(
+                    f"SELECT {key_expr}, {val_expr} FROM TARGET_INFO_SYSTEM_ENV AS t")
             }
             td.metadata_blocks["TARGET_INFO_SYSTEM_ENV"] = inspect_block(env)
     finally:
