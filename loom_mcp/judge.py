@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +43,10 @@ from loom_mcp.models import (
 )
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DEVICE_METER, DeviceLease
+from loom_mcp.sandbox.runner import Progress
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
 from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
-
-Progress = Callable[[str], Awaitable[None]]
 
 
 @dataclass

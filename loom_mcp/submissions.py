@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
@@ -24,9 +23,9 @@ from loom_mcp.judge_models import CompileEvidence, Diagnostic, Verdict
 from loom_mcp.models import Budgets, SubmitResult
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DeviceLease
+from loom_mcp.sandbox.runner import Progress
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 
-Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp")
 
 

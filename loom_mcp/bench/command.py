@@ -79,7 +79,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeGuard
@@ -92,10 +92,10 @@ from loom_mcp.bench.stats import ratio_ci, summarize
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import Finding, GateConfig, RatioCI, SampleSummary
 from loom_mcp.sandbox import JobResult, JobSpec, limit_error, policy, run_job, safefs
+from loom_mcp.sandbox.runner import Progress
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str], Awaitable[None]]
 Arm = Literal["baseline", "candidate"]
 ParserName = Literal["auto", "json", "vllm", "sglang"]
 Kind = Literal["json", "vllm", "sglang"]

@@ -18,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,9 @@ from loom_mcp.judge_models import (
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, run_job, safefs, warm
-from loom_mcp.sandbox.runner import spawn, supervise
+from loom_mcp.sandbox.runner import Progress, spawn, supervise
 from loom_mcp.worker.guard import findings as guard_findings
 
-Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.bench")
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
 SAMPLE_RTOL = 2e-2  # see samples_disagreeing

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
@@ -21,11 +20,10 @@ from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, Toolchain
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, policy, run_job, safefs
-from loom_mcp.sandbox.runner import limit_error
+from loom_mcp.sandbox.runner import Progress, limit_error
 from loom_mcp.store import ArtifactStore
 
 Language = Literal["triton", "cuda", "hip"]
-Progress = Callable[[str], Awaitable[None]]
 CACHE_VERSION = "1"
 MAX_OBJECT_BYTES = 512 << 20  # a compiled object read back from the job directory
 

@@ -13,7 +13,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
@@ -21,10 +20,10 @@ from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import HeadlineOp, ProfileResult
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, policy, run_job, safefs
+from loom_mcp.sandbox.runner import Progress
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.traces import analyze_trace_cached, scrub_trace
 
-Progress = Callable[[str], Awaitable[None]]
 Profiler = Literal["torch", "rocprofv3", "nsys"]
 
 # A raw trace copied out of a job directory: the largest real ones are about 1 GB.

@@ -30,7 +30,8 @@ from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache_env
 
 log = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[str], Awaitable[None]]
+# Where a long step reports what it is doing (MCP progress notifications, logs): one type for all.
+Progress = Callable[[str], Awaitable[None]]
 
 MAX_RESULT_BYTES = 64 << 20
 PROGRESS_EVERY_S = 1.0
@@ -135,7 +136,7 @@ async def _pump_fd(fd: int, sink: _Tail | _Collect) -> None:
         sink.add(chunk)
 
 
-async def _progress(callback: ProgressCallback, start: float) -> None:
+async def _progress(callback: Progress, start: float) -> None:
     while True:
         await anyio.sleep(PROGRESS_EVERY_S)
         try:
@@ -435,7 +436,7 @@ _ALLOC_REFUSED = re.compile(
     r"DefaultCPUAllocator|\bENOMEM\b")
 
 
-async def supervise(launched: Launched, on_progress: ProgressCallback | None = None) -> JobResult:
+async def supervise(launched: Launched, on_progress: Progress | None = None) -> JobResult:
     """Pump a launched job's pipes until it exits or `spec.timeout_s` passes (counted from now),
     and turn what happened into a JobResult. If the calling scope is cancelled, the worker's
     whole process tree is killed and reaped before the cancellation propagates."""
@@ -538,7 +539,7 @@ def limit_error(job: JobResult, what: str) -> LoomError | None:
     return LoomError(ErrorCode.RESOURCE_LIMIT, f"{what} {job.limit_exceeded}")
 
 
-async def run_job(spec: JobSpec, on_progress: ProgressCallback | None = None) -> JobResult:
+async def run_job(spec: JobSpec, on_progress: Progress | None = None) -> JobResult:
     """Run `spec.argv` in the sandbox. Crashes, hangs and timeouts come back as a JobResult.
 
     If the calling scope is cancelled, the worker's whole process tree is killed and reaped

@@ -29,7 +29,7 @@ import anyio.to_thread
 
 from loom_mcp.sandbox import isolation, policy, safefs
 from loom_mcp.sandbox.job import JobResult, JobSpec
-from loom_mcp.sandbox.runner import Launched, ProgressCallback, spawn, supervise
+from loom_mcp.sandbox.runner import Launched, Progress, spawn, supervise
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def link_into(worker: Launched, link: Path) -> None:
 
 
 async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dict[str, str],
-                   timeout_s: float, on_progress: ProgressCallback | None = None) -> JobResult:
+                   timeout_s: float, on_progress: Progress | None = None) -> JobResult:
     """Give a taken worker its job (request written to its directory, secrets over stdin) and
     supervise it to the end; the timeout counts from now."""
     # The worker has been running in this directory: replace the name, never write through it.

@@ -37,11 +37,11 @@ from loom_mcp.sandbox import (
     safefs,
     warm,
 )
+from loom_mcp.sandbox.runner import Progress
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.guard import findings as guard_findings
 from loom_mcp.worker.protocol import publish_go
 
-Progress = Callable[[str], Awaitable[None]]
 log = logging.getLogger("loom_mcp.validate")
 
 
