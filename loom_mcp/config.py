@@ -12,14 +12,12 @@ import hashlib
 import os
 import re
 import shlex
-import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import GateConfig
@@ -52,21 +50,6 @@ def _three_quarters_of_ram() -> int:
         return 16 << 30
 
 
-def default_disk_bytes(home: Path | str | None) -> int:
-    """job_disk_bytes' default: half the free space of LOOM_HOME's file system when the server
-    starts, and at least 16 GiB. A fixed 16 GiB refused KernelBench problems whose five cases of
-    outputs alone are 20 GiB, on a machine with 64 GB free."""
-    floor = 16 << 30
-    where = Path(home) if home is not None else Path.cwd()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
-        return floor
-    return max(floor, free // 2)
-
-
 class LoomConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     home: Path
@@ -88,15 +71,7 @@ class LoomConfig(BaseModel):
         description="Memory of one job (cgroup memory.max, else RLIMIT_DATA); default 75% of RAM")
     job_disk_bytes: int = Field(
         default=16 << 30, gt=0,
-        description="What one job's directories may grow by (it is killed past it); also its /tmp "
-        "size. Default: half the free space of LOOM_HOME's file system at start, at least 16 GiB")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _disk_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "job_disk_bytes" not in data:
-            data = {**data, "job_disk_bytes": default_disk_bytes(data.get("home"))}
-        return data
+        description="What one job's directories may grow by (it is killed past it); also its /tmp size")
 
     _source: ConfigSource | None = PrivateAttr(default=None)
     _seen: tuple[tuple | None, str | None] | None = PrivateAttr(default=None)

@@ -615,7 +615,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         and benchmark itself, and decides with the human's thresholds: accept iff validation passes and
         the geomean speedup's CI lower bound clears 1 + min_gain with no shape clearly slower;
         needs_review when implausible. Accepts commit to loom/<campaign_id>. Failures that are not the
-        candidate's spend no budget."""
+        candidate's spend no candidate (device time held still counts)."""
         arguments = {"campaign_id": campaign_id, "task": task, "candidate": candidate, "paths": paths,
                      "task_globals": task_globals}
 

@@ -42,20 +42,3 @@ def test_allowed_roots_check(tmp_path):
     with pytest.raises(LoomError, match=r"\[NOT_ALLOWED\]"):
         config.check_allowed(tmp_path / "ok" / ".." / "elsewhere", "repo")
 
-
-def test_the_job_disk_quota_defaults_to_half_the_free_space_and_a_set_value_wins(tmp_path):
-    """A fixed 16 GiB refused problems whose outputs alone are 20 GiB on a 64 GB disk: the
-    default follows the disk LOOM_HOME is on (16 GiB at least); loom.toml's value is kept."""
-    import shutil
-
-    from loom_mcp.config import load_config
-
-    home = tmp_path / "not-yet" / "home"  # created later: its nearest existing parent is measured
-    default = load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}).job_disk_bytes
-    free = shutil.disk_usage(tmp_path).free
-    assert default >= 16 << 30
-    assert abs(default - max(16 << 30, free // 2)) <= 1 << 30  # other writers move the free space
-    set_home = tmp_path / "set"
-    set_home.mkdir()
-    (set_home / "loom.toml").write_text("job_disk_bytes = 1073741824\n")
-    assert load_config(set_home, environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}).job_disk_bytes == 1 << 30

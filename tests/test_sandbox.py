@@ -573,9 +573,9 @@ def test_torch_compile_runs_without_a_worker_pool(tmp_path: Path) -> None:
     """A candidate's torch.compile compiles in its own process: inductor's pool of compile
     workers kept the candidate's processes busy while the other arm was timed."""
     pytest.importorskip("torch")
-    from loom_mcp.sandbox import code_cache_env
+    from loom_mcp.sandbox.job import MODEL_JOB_ENV
 
-    env = {**os.environ, **code_cache_env(tmp_path / "cache")}
+    env = {**os.environ, **MODEL_JOB_ENV}
     out = subprocess.run([sys.executable, "-c", "import torch._inductor.config as c; print(c.compile_threads)"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "1", out.stderr[-2000:]

@@ -122,3 +122,30 @@ def test_late_brackets_leave_the_trusted_side_unless_most_are_late() -> None:
         (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]
     everything = trusted_pairs(base, cand, [False] * 4, [True, True, True, False])
     assert everything == list(zip(base, cand))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sent", [b"[1]\n", b"not json\n", b'{"bye": true, "violations": 1}\n', b""])
+async def test_what_an_arm_sends_is_its_own_failure_never_the_servers(tmp_path, sent):
+    """The arms and the proof process run candidate code and may send anything, or die: a reply
+    that is not a JSON object, or a connection that ends, is that process's ArmError (a crash
+    the candidate is charged for), and a forged quit reply cannot break the benchmark's cleanup."""
+    import anyio
+
+    from loom_mcp.bench.runner import ArmConnection, ArmError, farewell
+    from loom_mcp.worker.guard import findings
+
+    path = tmp_path / "s.sock"
+    async with await anyio.create_unix_listener(path) as listener:
+        peer = await anyio.connect_unix(path)
+        conn = ArmConnection(await listener.accept(), "proof")
+        await peer.send(sent) if sent else await peer.aclose()
+        if sent.startswith(b'{"bye"'):
+            bye = await farewell(conn)
+            assert bye["bye"] is True and findings(bye["violations"]) == []  # 1 is not a list
+        else:
+            with pytest.raises(ArmError, match="proof"):
+                await conn.receive(5)
+        await conn.stream.aclose()
+        if sent:
+            await peer.aclose()

@@ -8,6 +8,7 @@ output samples taken at secret positions, applies the stopping rule, and compute
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from loom_mcp.judge_models import (
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, run_job, safefs, warm
+from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, spawn, supervise
 from loom_mcp.worker.guard import findings as guard_findings
 
@@ -59,12 +61,27 @@ class ArmConnection:
         return await self.receive(timeout_s)
 
     async def send(self, command: dict) -> None:
-        await self.stream.send((json.dumps(command) + "\n").encode())
+        try:
+            await self.stream.send((json.dumps(command) + "\n").encode())
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            raise ArmError(self.role, f"its connection is gone ({type(exc).__name__})") from exc
 
     async def receive(self, timeout_s: float) -> dict:
+        """The next reply. What the other end sends is not trusted (the arms and the proof process
+        run candidate code): a connection that ends, or a reply that is not a JSON object, is
+        that process's failure (ArmError), never the server's."""
         with anyio.fail_after(timeout_s):
-            line = await self.reader.receive_until(b"\n", max_bytes=1 << 20)
-        reply = json.loads(line)
+            try:
+                line = await self.reader.receive_until(b"\n", max_bytes=1 << 20)
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                    anyio.ClosedResourceError, anyio.DelimiterNotFound) as exc:
+                raise ArmError(self.role, f"its connection ended ({type(exc).__name__})") from exc
+        try:
+            reply = json.loads(line)
+        except ValueError as exc:
+            raise ArmError(self.role, "it sent a reply that is not JSON") from exc
+        if not isinstance(reply, dict):
+            raise ArmError(self.role, "it sent a reply that is not an object")
         if reply.get("error"):
             # The timer relays its arms' failures with the arm's role.
             raise ArmError(str(reply.get("arm") or self.role), reply["error"])
@@ -451,7 +468,7 @@ async def benchmark_candidate(
                     slots = [exchange / f"out-{role}"] if role != "proof" else []
                     arm_spec = JobSpec(
                         argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=where / role,
-                        env={**env, **code_cache_env(cache)}, writable=[cache, *slots],
+                        env={**env, **code_cache_env(cache), **MODEL_JOB_ENV}, writable=[cache, *slots],
                         visible_devices=visible,
                         # read-only: an arm may connect to the sockets there, never replace one
                         readable=[Path(module).parent, prep_worker.job_dir, sock_dir, exchange / "in"],
@@ -485,10 +502,14 @@ async def benchmark_candidate(
                             while len(arms) < len(expected):
                                 stream = await listener.accept()
                                 conn = ArmConnection(stream, "?")
-                                hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
-                                role = hello.get("role")
-                                if role not in expected or not secrets.compare_digest(
-                                        str(hello.get("hello")), tokens[role]):
+                                try:  # whoever connects is not trusted until its token matches
+                                    hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
+                                except (ValueError, anyio.EndOfStream, anyio.IncompleteRead,
+                                        anyio.BrokenResourceError, anyio.DelimiterNotFound):
+                                    hello = None
+                                claimed = hello.get("role") if isinstance(hello, dict) else None
+                                if not isinstance(hello, dict) or claimed not in expected or not (
+                                        secrets.compare_digest(str(hello.get("hello")), tokens[claimed])):
                                     await stream.aclose()
                                     continue
                                 conn.role = hello["role"]
@@ -504,7 +525,8 @@ async def benchmark_candidate(
                         if "proof" in arms:
                             # Its profiler's start-up (seconds of CUPTI) and its load overlap the
                             # others' load and the timing; both replies are read after the timing.
-                            await arms["proof"].send({"op": "trace_start"})
+                            with contextlib.suppress(ArmError):  # a dead one: said after the timing
+                                await arms["proof"].send({"op": "trace_start"})
                         with anyio.fail_after(timeout_s):
                             await prepared.wait()
                         inputs_ready = time.monotonic() - begun
@@ -518,7 +540,8 @@ async def benchmark_candidate(
                         samples.update({m["name"]: {"a": [], "b": [], "throttled": []} for m in shape_meta})
                         await arms["timer"].ask({"op": "load"}, timeout_s)  # it loads its arms
                         if "proof" in arms:
-                            await arms["proof"].send({"op": "load"})
+                            with contextlib.suppress(ArmError):
+                                await arms["proof"].send({"op": "load"})
                         if wall_clock and hasattr(os, "sched_setaffinity"):
                             cpus = sorted(os.sched_getaffinity(0))
                             pinned = await anyio.to_thread.run_sync(
@@ -535,7 +558,11 @@ async def benchmark_candidate(
                             say, declared, launchers.get("candidate"), first_pair=block,
                             idle_totals=idle_totals if wall_clock else None)
                     except ArmError as exc:
-                        failure = LoomError(ErrorCode.BAD_INPUT, f"the {exc.role} arm failed: {exc}")
+                        # The candidate's own processes failing is the candidate's failure (it
+                        # spends a submission); the baseline's or the timer's is not.
+                        code = (ErrorCode.WORKER_CRASHED if exc.role in ("candidate", "proof")
+                                else ErrorCode.BAD_INPUT)
+                        failure = LoomError(code, f"the {exc.role} arm failed: {exc}")
                     except TimeoutError:
                         ended = "; ".join(f"the {role} process {job.failure()}"
                                           for role, job in arm_results.items() if not job.ok)
@@ -756,14 +783,14 @@ async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clo
             started = await arms["proof"].receive(timeout_s)  # trace_start, sent before the load
             await arms["proof"].receive(timeout_s)  # load
             listing = await arms["proof"].ask({"op": "trace", "shape": len(shape_meta) - 1}, timeout_s)
-        except ArmError as exc:  # no profiler here (permissions, no CUPTI): say so, judge the rest
-            note = f"no proof of execution: the profiler failed ({exc})"
+        except ArmError as exc:  # no profiler here (permissions, no CUPTI), or the process died
+            note = f"no proof of execution: the proof process failed ({exc})"
         else:
             log.info("benchmark: proof-of-execution trace %.2f s after the timing (profiler start "
                      "%s, trace %s)", time.monotonic() - proof_started, started.get("seconds"),
                      listing.get("seconds"))
-    if listing.get("kernels") is not None:
-        seen = listing["kernels"]
+    if isinstance(listing.get("kernels"), list):
+        seen = [str(k) for k in listing["kernels"]]
         hit = sorted(d for d in declared if any(d in k for k in seen))
         proof = bool(hit)
         note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else

@@ -26,13 +26,16 @@ def code_cache_env(cache: Path) -> dict[str, str]:
     """Where a job's compilers keep what they build, all inside `cache`: Triton's kernels,
     torch.utils.cpp_extension's builds (load_inline), whose default under HOME is read-only
     in the sandbox, and torch.compile's (inductor's default is under the job's private TMPDIR,
-    so validation and each benchmark arm compiled the same graphs again).
-
-    torch.compile compiles in the job's own process: its default pool of compile workers (one
-    per core, each importing torch) was still starting while the other arm was timed, and an
-    honest compiled candidate was rejected as busy while idle."""
+    so validation and each benchmark arm compiled the same graphs again)."""
     return {"TRITON_CACHE_DIR": str(cache), "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
-            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+
+
+# For the processes that run a candidate's (or a baseline's) ModelNew beside a timed arm:
+# torch.compile compiles in the process itself. Its default pool of compile workers (one per
+# core, each importing torch) was still starting while the other arm was timed, and an honest
+# compiled candidate was rejected as busy while idle. (Not for benchmark_command's workloads.)
+MODEL_JOB_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 class JobSpec(BaseModel):

@@ -177,8 +177,8 @@ async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dic
 
 def discard_all() -> None:
     """End every idle worker (tests; a server shutting down closes their stdin anyway)."""
-    workers = idle_workers()
-    with _lock:
+    with _lock:  # one hold: a worker taken or added meanwhile is neither killed nor leaked
+        workers = [w for queue in _idle.values() for w in queue]
         _idle.clear()
     for worker in workers:
         worker.discard()

@@ -37,6 +37,7 @@ from loom_mcp.sandbox import (
     safefs,
     warm,
 )
+from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.guard import findings as guard_findings
@@ -110,7 +111,7 @@ async def validate_candidate(
     cases_dir, cand_go = reference.job_dir / "cases", reference.job_dir / "cand.go"
     cand_spec = JobSpec(
         argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
-        env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache)},
+        env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache), **MODEL_JOB_ENV},
         # its root holds its own directory (the candidate imports siblings) and the inputs
         readable=[candidate.parent, reference.job_dir],
         writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,

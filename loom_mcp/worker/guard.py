@@ -226,7 +226,8 @@ def findings(violations: Iterable[dict[str, Any]] | None, stderr: str = "") -> l
         out[check] = {"check": check, "severity": severity, "message": message[:500],
                       "where": where if isinstance(where, str) else None, "repeats": count - 1}
 
-    for v in violations or []:
+    # A list from a worker's reply, which candidate code can forge: anything else counts as none.
+    for v in violations if isinstance(violations, list) else []:
         if isinstance(v, dict) and isinstance(v.get("check"), str):
             count = (cast(int, v.get("count"))
                      if isinstance(v.get("count"), int) and v["count"] > 0 else 1)

@@ -20,7 +20,10 @@ def main() -> None:
     module = importlib.import_module(sys.argv[1])  # the expensive part: torch and friends
     warm_up = getattr(module, "warm_up", None)
     if callable(warm_up):  # what the module loads lazily on first use, before any job is known
-        warm_up()
+        try:
+            warm_up()
+        except Exception as exc:  # only time lost: the job loads it again when it needs it
+            print(f"loom warm worker: warm-up failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     idle_s = float(os.environ.get("LOOM_WARM_IDLE_S", "600"))
     ready, _, _ = select.select([sys.stdin], [], [], idle_s)
     line = sys.stdin.readline() if ready else ""
