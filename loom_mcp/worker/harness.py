@@ -115,7 +115,7 @@ def _transform(tensor: torch.Tensor, kind: str, seed: int, generators: dict) -> 
 
 
 def _generate_inputs(task: ModuleType, shape: dict[str, Any], seed: int,
-                     device: torch.device | None) -> list:
+                     device: torch.device | None, host_fallback: bool = True) -> list:
     torch.manual_seed(seed)
     if device is None or device.type == "cpu":
         return list(_call_with_shape(task.get_inputs, shape))
@@ -123,19 +123,26 @@ def _generate_inputs(task: ModuleType, shape: dict[str, Any], seed: int,
         with device:  # factory calls without a device land on the accelerator
             return [x.cpu() if isinstance(x, torch.Tensor) else x
                     for x in _call_with_shape(task.get_inputs, shape)]
+    except torch.OutOfMemoryError:
+        if not host_fallback:  # drawn on the host they would be other numbers
+            raise
+        torch.manual_seed(seed)
+        return list(_call_with_shape(task.get_inputs, shape))
     except Exception:  # a get_inputs that needs host tensors (.numpy(), ...): make them there
         torch.manual_seed(seed)
         return list(_call_with_shape(task.get_inputs, shape))
 
 
 def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str,
-              device: torch.device | None = None) -> tuple[list, list]:
+              device: torch.device | None = None, host_fallback: bool = True) -> tuple[list, list]:
     """(inputs, init_inputs) for one case, returned on the CPU, bit-for-bit reproducible from the
     seed on a given kind of device. With an accelerator `device`, the task's random inputs are
     drawn there and copied back: on the H200 host drawing 220 MB of validation inputs on the
     CPU took 4-5 s of the critical path and its threads slowed the candidate's start-up beside it.
-    (The same seed draws different numbers on a CPU and on a GPU; each is reproducible.)"""
-    inputs = _generate_inputs(task, shape, seed, device)
+    (The same seed draws different numbers on a CPU and on a GPU; each is reproducible.)
+    host_fallback: a draw that fails on the device is made on the host instead; off where the
+    numbers must match an earlier draw (out of memory then raises)."""
+    inputs = _generate_inputs(task, shape, seed, device, host_fallback)
     init_fn = getattr(task, "get_init_inputs", None)
     init_inputs = list(_call_with_shape(init_fn, shape)) if init_fn else []
     on = device if device is not None and device.type != "cpu" else None
