@@ -75,7 +75,6 @@ class Services:
 class CallScope:
     """Per-call accounting handed to domain code (device seconds come from leases held)."""
 
-    device_s: float = 0.0
     campaign_id: str | None = None
     metered: list[float] = field(default_factory=list)  # every lease the call held (DEVICE_METER)
 
@@ -201,9 +200,8 @@ def _end_call(services: Services, call_id: int | None, outcome: str, scope: Call
     if call_id is None:
         return None
     try:
-        # A call that failed after holding the device still spent it (its budget counts it).
-        device_s = max(scope.device_s, sum(scope.metered))
-        services.ledger.end_call(call_id, outcome, error_code=error_code, device_s=device_s,
+        # Every lease the call held, a failed call's too (the campaign's budget counts it).
+        services.ledger.end_call(call_id, outcome, error_code=error_code, device_s=sum(scope.metered),
                                  campaign_id=scope.campaign_id)
     except Exception as exc:  # reported, never raised over the call's own outcome
         coded = storage_error(exc, services.config.home)
@@ -443,10 +441,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> CompileResult:
             from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
 
-            result, device_s = await judge.compile_kernel(
+            result, _ = await judge.compile_kernel(
                 config, services.artifacts, source=source, language=language, target=target,
                 flags=flags or [], task=task, progress=progress_of(ctx), task_globals=task_globals)
-            scope.device_s = device_s
             if not result.ok:
                 where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
                                   for d in result.diagnostics if d.severity == "error")
@@ -475,11 +472,10 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> RunValidationResult:
             from loom_mcp import judge
 
-            result, _, device_s = await judge.run_validation(
+            result, _, _ = await judge.run_validation(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
                 seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
                 task_globals=campaign_globals(campaign_id, task_globals))
-            scope.device_s = device_s
             return result
 
         return await run_recorded(services, "run_validation", arguments, body, campaign_id)
@@ -505,11 +501,10 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> BenchmarkResult:
             from loom_mcp import judge
 
-            result, _, _, device_s = await judge.run_benchmark(
+            result, _, _, _ = await judge.run_benchmark(
                 config, services.ledger, services.artifacts, task=task, candidate=candidate,
                 baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
                 task_globals=campaign_globals(campaign_id, task_globals))
-            scope.device_s = device_s
             return result
 
         return await run_recorded(services, "benchmark", arguments, body, campaign_id)
@@ -545,14 +540,13 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             target = await judge.pick_target(config) if profiler == "torch" else None
             device = target.torch_device if target else "auto"
             lease_target = target or await judge.pick_target(config)
-            async with judge.Leased(config, lease_target, progress_of(ctx)) as held:
+            async with judge.Leased(config, lease_target, progress_of(ctx)):
                 result = await profile_workload(
                     ledger=services.ledger, artifacts=services.artifacts, jobs_dir=config.jobs_dir,
                     cache_dir=config.cache_dir, profiler=profiler, task=task_path, candidate=cand_path,
                     shape=shape, script=script_path, args=args or [], command=command, warmup=warmup,
                     active=active, device=device, timeout_s=config.job_timeout_s,
                     campaign_id=campaign_id, progress=progress_of(ctx))
-            scope.device_s = held.seconds
             return result
 
         return await run_recorded(services, "profile", arguments, body, campaign_id)
@@ -622,10 +616,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         async def body(scope: CallScope) -> SubmitResult:
             from loom_mcp.submissions import submit_candidate as submit
 
-            result, device_s = await submit(
+            result, _ = await submit(
                 config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
                 candidate=candidate, paths=paths, progress=progress_of(ctx), task_globals=task_globals)
-            scope.device_s = device_s
             return result
 
         return await run_recorded(services, "submit_candidate", arguments, body, campaign_id)
@@ -708,13 +701,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             target = await judge.pick_target(config)
 
             async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
-                async with judge.Leased(config, target, progress_of(ctx)) as held:
+                async with judge.Leased(config, target, progress_of(ctx)):
                     result = await benchmark_commands(
                         baseline=baseline_command or command, candidate=command, metrics=metrics,
                         runs=runs, job_dir=job_dir, timeout_s=config.job_timeout_s, cwd=where,
                         env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
                         gate=config.gate, progress=progress_of(ctx))
-                scope.device_s = held.seconds
                 return result
 
             if baseline_revision is None:

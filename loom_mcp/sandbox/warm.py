@@ -110,6 +110,7 @@ def prewarm(template: JobSpec, pool_dir: Path, depth: int = 1) -> None:
     start-up time: the benchmark refills after its timing and the next validation follows at
     once, so with one idle worker it met one still importing torch."""
     key = _key(template, pool_dir)
+    depth = min(depth, MAX_IDLE)  # deeper could never be reached: each start would evict one
     surplus: list[Launched] = []
     while True:
         with _lock:
