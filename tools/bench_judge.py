@@ -10,7 +10,7 @@
 - power: A vs A never accepted in N tries; a candidate doing ~5 % less real work accepted in
   >= 95 % of N tries (the gate's decide() on real evidence).
 - turnaround: compile + validate + benchmark of kernels/rmsnorm's Triton candidate over 6 shapes,
-  warm caches; target <= 20 s, with where the time goes.
+  warm caches (one cold call, then three warm); target <= 20 s, with where the time goes.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ async def main() -> int:
         shapes = ["decode_t1_h4096", "decode_t8_h4096", "prefill_t512_h4096", "prefill_t4096_h4096",
                   "tail_t1023_h4000", "decode_t8_h5120"]
         runs = []
-        for attempt in ("cold", "warm"):
+        for attempt in ("cold", "warm", "warm2", "warm3"):
             t0 = time.perf_counter()
             await judge.compile_kernel(config, services.artifacts, source=str(cand), language="triton",
                                        target=None, flags=[], task=str(task), progress=None)

@@ -39,9 +39,9 @@ from loom_mcp.judge_models import (
 )
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, run_job, safefs, warm
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, safefs, warm
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
-from loom_mcp.sandbox.runner import Progress, spawn, supervise
+from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.worker.guard import findings as guard_findings
 
 log = logging.getLogger("loom_mcp.bench")
@@ -382,7 +382,14 @@ async def benchmark_candidate(
     # critical path. No new one is started until the timing is over (it would compete for cores).
     prep_template = JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
                             job_dir=job_dir / "prep", env=env, visible_devices=visible, timeout_s=timeout_s)
-    prep_worker = await warm.take(prep_template, job_dir.parent / "warm", refill=False)
+    pool_dir = job_dir.parent / "warm"
+    prep_worker = await warm.take(prep_template, pool_dir, refill=False)
+    # Blank workers for the arms and the timer (see sandbox/warm.py), not on a CPU by default:
+    # there every block is fresh processes on purpose, and their start-up would take the cores.
+    use_blanks = keep_warm and warm.blanks_for(device)
+    arm_base_env = {**env, **MODEL_JOB_ENV}
+    timer_role = {"LOOM_BENCH_ROLE": "timer"}
+    blanks: dict[str, tuple[JobSpec, dict[str, str], int]] = {}  # kind -> a spec, base env, depth
     cases_file = prep_worker.job_dir / "bench_cases"  # a tensor bundle (worker/handoff.py)
     # AF_UNIX paths are limited to ~107 bytes; a deep LOOM_HOME would overflow it, so the sockets
     # live in a short private directory of their own.
@@ -448,10 +455,10 @@ async def benchmark_candidate(
             async with await anyio.create_unix_listener(sock_path) as listener:
                 async def launch(role: str) -> None:
                     if role == "timer":  # trusted: never imports the code under test
-                        arm_results[role] = await run_job(JobSpec(
+                        timer_spec = JobSpec(
                             argv=[sys.executable, "-m", "loom_mcp.worker.timer"], job_dir=where / role,
                             # TMPDIR: torch's shared-memory manager socket, which the arms connect to
-                            env={**env, "TMPDIR": str(sock_dir)}, visible_devices=visible,
+                            env={**env, "TMPDIR": str(sock_dir), **timer_role}, visible_devices=visible,
                             timeout_s=timeout_s, writable=[sock_dir, exchange],
                             readable=[prep_worker.job_dir], shm_dir=shm_dir,
                             request={"socket": str(sock_path), "arms_socket": str(timer_sock),
@@ -459,7 +466,11 @@ async def benchmark_candidate(
                                      "arm_tokens": {r: tokens[r] for r in ("baseline", "candidate")},
                                      "cases_file": str(cases_file), "device": device,
                                      "flush_bytes": flush_bytes, "rotate_bytes": flush_bytes,
-                                     "max_sets": 8, "exchange": str(exchange)}))
+                                     "max_sets": 8, "exchange": str(exchange)})
+                        blanks["timer"] = (timer_spec, {**env, **timer_role}, 1)
+                        launched = await warm.start(timer_spec, pool_dir, base_env={**env, **timer_role},
+                                                    blank=use_blanks, refill=False)
+                        arm_results[role] = await supervise(launched)
                         if not startup["done"]:
                             startup["scope"].cancel()
                         return
@@ -468,7 +479,8 @@ async def benchmark_candidate(
                     slots = [exchange / f"out-{role}"] if role != "proof" else []
                     arm_spec = JobSpec(
                         argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=where / role,
-                        env={**env, **code_cache_env(cache), **MODEL_JOB_ENV}, writable=[cache, *slots],
+                        env={**arm_base_env, "LOOM_BENCH_ROLE": role, **code_cache_env(cache)},
+                        writable=[cache, *slots],
                         visible_devices=visible,
                         # read-only: an arm may connect to the sockets there, never replace one
                         readable=[Path(module).parent, prep_worker.job_dir, sock_dir, exchange / "in"],
@@ -480,8 +492,12 @@ async def benchmark_candidate(
                                  "token": tokens[role], "device": device, "graph_below_s": GRAPH_BELOW_S,
                                  "task_globals": task_globals or {}},
                     )
-                    await anyio.to_thread.run_sync(isolation.capabilities)  # probed once
-                    launched = spawn(arm_spec)  # on the loop's thread (see spawn)
+                    # A blank worker where one is idle (torch imported, none of this job's paths
+                    # in its root until now); refilled once the timing is over.
+                    role_env = {**arm_base_env, "LOOM_BENCH_ROLE": role}  # one kind per role: its pid
+                    blanks[role] = (arm_spec, role_env, 1)
+                    launched = await warm.start(arm_spec, pool_dir, base_env=role_env,
+                                                blank=use_blanks, refill=False)
                     launchers[role] = launched.process.pid
                     arm_results[role] = await supervise(launched)
                     if not startup["done"]:  # it ended before the benchmark started: stop waiting
@@ -617,7 +633,10 @@ async def benchmark_candidate(
     findings.extend(busy_finding(name, cpu, wall) for name, (cpu, wall) in idle_totals.items()
                     if IdleWatch.exceeds(cpu, wall))
     if keep_warm and device != "cpu":  # on a CPU its start-up would compete with what is timed next
-        warm.prewarm(prep_template, job_dir.parent / "warm", depth=2)  # on the loop's thread
+        warm.prewarm(prep_template, pool_dir, depth=warm.MAX_IDLE)  # on the loop's thread
+    if use_blanks:
+        for spec, base_env, depth in blanks.values():
+            warm.refill_blanks(spec, pool_dir, base_env=base_env, depth=depth)
     shape_samples = block_shapes(shape_meta, samples) if wall_clock else [
         ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                      candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],

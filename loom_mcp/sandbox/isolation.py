@@ -71,7 +71,11 @@ MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
+MS_MOVE = 8192
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
+PR_SET_DUMPABLE = 4
 # linux/mount.h, linux/fcntl.h; mount_setattr is syscall 442 on every architecture (5.12+)
 SYS_MOUNT_SETATTR = 442
 MOUNT_ATTR_RDONLY = 0x1
@@ -200,7 +204,7 @@ def _touch(path: str) -> None:
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
 
-_NEW, _OLD = "/newroot", "/oldroot"
+_NEW, _OLD, _STAGE = "/newroot", "/oldroot", "/stage"
 
 
 def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
@@ -251,7 +255,7 @@ def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
         raise OSError(errno.EINVAL, f"unknown view entry {kind!r}")
 
 
-def _build_root(view: dict[str, Any]) -> list[str]:
+def _build_root(view: dict[str, Any], late: bool = False) -> list[str]:
     """Give this mount namespace a root of its own that holds only what `view` lists.
 
     Run by init of the job's pid namespace (a fresh /proc can be mounted there, while the host's
@@ -260,6 +264,10 @@ def _build_root(view: dict[str, Any]) -> list[str]:
     assembled at /newroot from bind mounts of /oldroot paths, the host's tree is detached, and
     /newroot becomes /. Nothing of the host is reachable afterwards except what was bound:
     not its sockets (an AF_UNIX path is a file), not LOOM_HOME, not $HOME, not /etc/shadow.
+
+    With `late` (a pre-started worker, see _enter_late_root) init stops before the last steps:
+    it keeps the host's tree at /oldroot and marks /newroot shared, so that the binds of the
+    job it is later given (_apply_late) propagate into the worker's copy of /newroot.
 
     Returns the optional entries that failed (a missing device node, ...). Raises OSError with
     the host's root restored when a required entry fails (the caller falls back), _Broken when
@@ -280,6 +288,8 @@ def _build_root(view: dict[str, Any]) -> list[str]:
     os.chdir("/")
     problems: list[str] = []
     try:
+        if late:  # nothing of ours propagates anywhere but into /newroot's copies, made shared below
+            _mount(None, b"/", None, MS_REC | MS_PRIVATE)
         _mount(b"tmpfs", _NEW.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=4m,mode=0755")
         later_readonly = [_NEW]
         for op in view["ops"]:
@@ -291,6 +301,10 @@ def _build_root(view: dict[str, Any]) -> list[str]:
                 problems.append(f"{op['path']}: {exc.strerror or exc}")
         for path in later_readonly:
             _make_readonly(path, recursive=False)
+        if late:
+            os.mkdir(_STAGE, 0o700)
+            _mount(None, _NEW.encode(), None, MS_REC | MS_SHARED)
+            return problems
         _mount(None, _OLD.encode(), None, MS_REC | MS_PRIVATE)
         _umount(_OLD)
     except BaseException:
@@ -315,6 +329,84 @@ def _pivot_into(directory: str, cwd: str) -> None:
     _pivot_root(".", ".")
     _umount(".")
     os.chdir(cwd)
+
+
+def _enter_late_root(cwd: str) -> None:
+    """In a pre-started worker, before exec: leave init's mount namespace (which still holds the
+    host's tree) for a copy of it, take only propagation from init (slave), and make /newroot
+    the root. The host's tree goes with the old root; init's later binds still arrive."""
+    _check(_libc().unshare(CLONE_NEWNS), "unshare(mount)")
+    _mount(None, b"/", None, MS_REC | MS_SLAVE)
+    _pivot_into(_NEW, cwd)
+
+
+def _apply_late(ops: list[dict[str, Any]]) -> list[str]:
+    """In init of a pre-started worker: add one job's entries (its own paths) to the root the
+    worker already lives in.
+
+    Each mount is made in a private staging directory first, given its read-only flag there and
+    only then moved under /newroot: a mount's flags do not propagate, the mount itself does, so
+    the worker's copy arrives read-only or not at all. /newroot's own tmpfs is writable in
+    init's view only while the mount points are made (the worker's copy stays read-only).
+    Returns the optional entries that failed; raises OSError when a required one fails.
+    """
+    problems: list[str] = []
+    _mount_setattr(_NEW, 0, MOUNT_ATTR_RDONLY, recursive=False)
+    try:
+        for n, op in enumerate(ops):
+            try:
+                _apply_late_op(op, f"{_STAGE}/{n}")
+            except OSError as exc:
+                if not op.get("optional"):
+                    raise OSError(exc.errno, f"{op['op']} {op['path']}: {exc.strerror or exc}") from exc
+                problems.append(f"{op['path']}: {exc.strerror or exc}")
+    finally:
+        _mount_setattr(_NEW, MOUNT_ATTR_RDONLY, 0, recursive=False)
+    return problems
+
+
+def _apply_late_op(op: dict[str, Any], stage: str) -> None:
+    kind, dst = op["op"], _NEW + op["path"]
+    if kind == "symlink" or (kind == "tmpfs" and not op.get("readonly")):
+        _apply_op(op, [])
+        return
+    if kind == "bind":
+        src = _OLD + op["src"]
+        is_dir, readonly = os.path.isdir(src), op["mode"] == "ro"
+    elif kind in ("mask", "tmpfs"):
+        is_dir, readonly = kind == "tmpfs" or os.path.isdir(dst), True
+    else:
+        raise OSError(errno.EINVAL, f"{kind!r} cannot be added to a running job")
+    if is_dir:
+        os.mkdir(stage, 0o700)
+        os.makedirs(dst, exist_ok=True)
+    else:
+        _touch(stage)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if not os.path.exists(dst):
+            _touch(dst)
+    if kind == "bind":
+        _mount(src.encode(), stage.encode(), None, MS_BIND | MS_REC)
+    elif kind == "tmpfs":
+        _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, op["options"].encode())
+    elif is_dir:
+        _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=0755")
+    else:
+        _mount(b"/oldroot/dev/null", stage.encode(), None, MS_BIND)
+    if readonly:
+        _mount_setattr(stage, MOUNT_ATTR_RDONLY, 0, recursive=True)
+    _mount(stage.encode(), dst.encode(), None, MS_MOVE)
+
+
+def _read_line(fd: int, limit: int = 1 << 22) -> bytes:
+    """One line from `fd` (b"" at EOF before any newline)."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 16)
+        if not chunk or len(data) > limit:
+            return b""
+        data += chunk
+    return bytes(data)
 
 
 def _write(path: str, text: str) -> None:
@@ -1166,7 +1258,7 @@ def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     view = cfg.get("view")
     if view is not None:
         try:
-            problems = _build_root(view)
+            problems = _build_root(view, late=bool(cfg.get("late")))
         except OSError as exc:
             errors["view"] = str(exc)
         else:
@@ -1195,6 +1287,7 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
     status_r, status_w = os.pipe()
     # init arms PDEATHSIG after fork; if we died before that, this pipe reads EOF.
     alive_r, alive_w = os.pipe()
+    ack_fd: int | None = cfg.get("ack_fd")
     init = os.fork()
     if init == 0:
         os.close(status_r)
@@ -1207,22 +1300,83 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
         except _Broken as exc:
             os.write(2, f"loom sandbox: setup failed: {exc}\n".encode())
             os._exit(SETUP_FAILED)
+        late = bool(cfg.get("late")) and applied["view"] == "allowlist"
+        if late:
+            # init keeps the host's tree: no one may ptrace it or read /proc/1/root or its fds.
+            _prctl(PR_SET_DUMPABLE, 0)
         _write_meta(meta_fd, {"stage": "init", "applied": applied, "errors": errors})
         _close(meta_fd)
+        feed_r, feed_w = os.pipe() if ack_fd is not None else (None, None)
+        entered_r, entered_w = os.pipe() if late else (None, None)
         worker = os.fork()
         if worker == 0:
+            if feed_r is not None:  # the worker's stdin comes from init, never from the server
+                os.dup2(feed_r, 0)
+                _close(feed_r, feed_w, ack_fd, entered_r)
+            if late:
+                try:
+                    _enter_late_root(cfg["view"]["cwd"])
+                except OSError as exc:
+                    os.write(2, f"loom sandbox: cannot enter the job's root: {exc}\n".encode())
+                    os._exit(SETUP_FAILED)
+                _close(entered_w)  # init may change its own mounts now: ours are copied already
             _exec_worker(argv)
         _close(*worker_fds)
+        if feed_w is not None:
+            _close(feed_r, entered_w)
+            if entered_r is not None:
+                # Until the worker has its own copy of the mounts, a flag init clears for a
+                # moment (the root's read-only one, in _apply_late) would be copied with them.
+                os.read(entered_r, 1)
+                _close(entered_r)
+            _serve_late(worker, late, ack_fd, feed_w, status_w)
         status = _wait_for(worker)
         os.write(status_w, str(status).encode())
         # Exiting as pid 1 makes the kernel kill whatever the worker left behind.
         os._exit(0)
     os.close(status_w)
     os.close(alive_r)
-    _close(meta_fd, *worker_fds)
+    _close(meta_fd, ack_fd, *worker_fds)
     init_status = _wait_for(init)
     data = os.read(status_r, 64)
     _exit_like(int(data) if data else init_status)
+
+
+def _serve_late(worker: int, late: bool, ack_fd: int | None, feed_w: int, status_w: int) -> None:
+    """In init of a pre-started worker: wait for the job (one line on stdin from the server:
+    {"ops": [...], "go": "..."}), add its paths to the worker's root, say so on the ack pipe,
+    and only then pass `go` on to the worker's stdin. Returns once the worker has its line (or
+    stdin closed: the worker is told nothing and runs nothing)."""
+    line = b""
+    while not line:
+        try:
+            ready = select.select([0], [], [], 1.0)[0]
+        except InterruptedError:
+            ready = []
+        got, status = os.waitpid(worker, os.WNOHANG)
+        if got == worker:  # it died idle (or timed out): report it, as any worker's end
+            os.write(status_w, str(status).encode())
+            os._exit(0)
+        if ready:
+            line = _read_line(0)
+            if not line:  # the server discarded us
+                _close(feed_w, ack_fd)
+                return
+    try:
+        message = json.loads(line)
+        if not late:
+            raise OSError(errno.ENOTSUP, "no root of its own to add paths to")
+        problems = _apply_late(message.get("ops") or [])
+    except (OSError, ValueError) as exc:
+        _write_meta(ack_fd, {"ok": False, "error": str(exc)})
+        os.kill(worker, signal.SIGKILL)
+        _wait_for(worker)
+        os._exit(SETUP_FAILED)
+    _write_meta(ack_fd, {"ok": True, "problems": problems})
+    _close(ack_fd)
+    with contextlib.suppress(OSError):
+        os.write(feed_w, str(message.get("go", "")).encode() + b"\n")
+    _close(feed_w)
 
 
 def _run_with_subreaper(argv: list[str], meta_fd: int | None, worker_fds: list[int]) -> NoReturn:
@@ -1313,6 +1467,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     _write_meta(meta_fd, {"stage": "launcher", "applied": applied, "errors": errors})
     if applied["pid"]:
         _run_with_init(cfg, argv, meta_fd, worker_fds)
+    _close(cfg.get("ack_fd"))  # no init to add a job's paths: the server sees EOF and falls back
     _run_with_subreaper(argv, meta_fd, worker_fds)
 
 

@@ -200,6 +200,10 @@ class Launched:
     memory_bytes: int = 0  # the job's memory limit (0: none)
     disk_bytes: int = 0  # what `watched` may grow by (0: no quota)
     watched: tuple[Path, ...] = ()  # the job's writable directories
+    # A pre-started worker (spawn(late=True)): the entries its root was built from, and the pipe
+    # on which its init says whether a job's paths were added (warm.dispatch_late).
+    view_ops: list[dict[str, Any]] | None = None
+    ack_r: int | None = None
 
     @property
     def cgroup(self) -> str | None:
@@ -228,7 +232,9 @@ class Launched:
         return isolation.cgroup_oom_kills(path) if path else 0
 
     def _close(self) -> None:
-        for fd in (self.result_r, self.meta_r):
+        for fd in (self.result_r, self.meta_r, self.ack_r):
+            if fd is None:
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -241,7 +247,14 @@ class Launched:
                     pass
 
 
-def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
+def late_binds_possible(spec: JobSpec) -> bool:
+    """Can `spec` run in a pre-started worker whose paths are added later? Only with a root of
+    its own (the allowlist view) inside a pid namespace, whose init adds them."""
+    plan = isolation.plan(isolation.capabilities(), allow_network=spec.allow_network)
+    return bool(spec.readonly_fs and plan.get("view") and "pid" in plan["unshare"])
+
+
+def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Launched:
     """Start `spec.argv` under the sandbox launcher and return at once (blocking: fork and exec).
 
     Call it from a thread that outlives the job (the event loop's): the launcher arms
@@ -250,8 +263,11 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
     mid-benchmark, then every reference step).
 
     With `stdin_pipe` the worker gets a pipe on stdin (a warm worker reads its job from it);
-    otherwise /dev/null. The request file, if any, is written now.
+    otherwise /dev/null. The request file, if any, is written now. With `late` (which implies
+    `stdin_pipe`; see late_binds_possible) that pipe leads to the job's init, which adds the
+    job's own paths to the root when the job comes (warm.dispatch_late).
     """
+    stdin_pipe = stdin_pipe or late
     caps = isolation.capabilities()
     plan = isolation.plan(caps, allow_network=spec.allow_network)
     limits = policy.current()
@@ -282,7 +298,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         env.update(_device_env(spec.visible_devices))
 
     writable = None
-    root_view = None
+    root_view: dict[str, Any] | None = None
     extra = [Path(p).resolve() for p in spec.writable]
     if spec.readonly_fs:
         for extra_dir in extra:
@@ -308,6 +324,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
 
     result_r, result_w = os.pipe()
     meta_r, meta_w = os.pipe()
+    ack_r, ack_w = os.pipe() if late and root_view is not None else (None, None)
     env["LOOM_RESULT_FD"] = str(result_w)
     config = {
         "parent_pid": os.getpid(),
@@ -320,6 +337,8 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
         "worker_fds": [result_w],
         "writable": writable,
         "view": root_view,
+        "late": ack_w is not None,
+        "ack_fd": ack_w,
     }
     argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, json.dumps(config), *spec.argv]
     try:
@@ -331,24 +350,28 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False) -> Launched:
             cwd=job_dir,
             env=env,
             start_new_session=True,
-            pass_fds=(result_w, meta_w),
+            pass_fds=(result_w, meta_w) if ack_w is None else (result_w, meta_w, ack_w),
         )
     except OSError as exc:
-        for fd in (result_r, meta_r):
-            os.close(fd)
+        for fd in (result_r, meta_r, ack_r):
+            if fd is not None:
+                os.close(fd)
         for path in set(cgroups.values()):
             isolation.remove_job_cgroup(path)
         raise LoomError(ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}") from exc
     finally:
         # Only the child keeps the write ends: EOF then means "every writer is gone".
-        os.close(result_w)
-        os.close(meta_w)
+        for fd in (result_w, meta_w, ack_w):
+            if fd is not None:
+                os.close(fd)
     assert process.stdout is not None and process.stderr is not None  # both PIPE above
     for fd in (result_r, meta_r, process.stdout.fileno(), process.stderr.fileno()):
         os.set_blocking(fd, False)
     return Launched(spec=spec, process=process, job_dir=job_dir, cgroups=cgroups, result_r=result_r,
                     meta_r=meta_r, request_path=request_path, memory_bytes=memory,
-                    disk_bytes=disk, watched=(job_dir, *extra))
+                    disk_bytes=disk, watched=(job_dir, *extra),
+                    view_ops=root_view["ops"] if ack_r is not None and root_view else None,
+                    ack_r=ack_r)
 
 
 async def _wait_exit(process: subprocess.Popen) -> None:

@@ -189,9 +189,28 @@ class Plan:
     def entries_sorted(self) -> list[dict[str, Any]]:
         links = [{"op": "symlink", "path": p, "target": t} for p, t in self.links.items()
                  if p not in self.binds]
-        every = [*self.entries, *self.binds.values(), *links]
-        return sorted(every, key=lambda e: (e["path"].count("/") if e["path"] != "/" else 0,
-                                            _KIND_ORDER[e["op"]], e["path"]))
+        return sort_entries([*self.entries, *self.binds.values(), *links])
+
+
+def sort_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parents first, so that every mount point exists when its turn comes."""
+    return sorted(entries, key=lambda e: (e["path"].count("/") if e["path"] != "/" else 0,
+                                          _KIND_ORDER[e["op"]], e["path"]))
+
+
+def late_entries(base: list[dict[str, Any]], full: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a root built from `base` lacks of `full` (a pre-started worker given its job's
+    paths). Raises ValueError when an entry would cover one the root already has (it would
+    hide the worker's own directory, say): that job needs a root built from scratch."""
+    late = [e for e in full if e not in base]
+    for entry in late:
+        if entry["op"] in ("proc", "devpts"):
+            raise ValueError(f"{entry['op']} {entry['path']} cannot be added later")
+        inside = entry["path"].rstrip("/") + "/"
+        covered = next((b["path"] for b in base if b["path"].startswith(inside)), None)
+        if covered is not None:
+            raise ValueError(f"{entry['path']} would cover {covered}")
+    return sort_entries(late)
 
 
 def _editable_roots(paths: Iterable[str]) -> list[str]:

@@ -33,12 +33,11 @@ from loom_mcp.sandbox import (
     code_cache,
     code_cache_env,
     policy,
-    run_job,
     safefs,
     warm,
 )
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
-from loom_mcp.sandbox.runner import Progress
+from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.guard import findings as guard_findings
 from loom_mcp.worker.protocol import publish_go
@@ -53,6 +52,7 @@ def worker_argv(module: str) -> list[str]:
 # The per-file limit of validation's jobs. Tensors travel in files of at most this size
 # (loom_mcp.worker.handoff splits larger ones), so it bounds no problem's size.
 JOB_FILE_BYTES = JobSpec.model_fields["max_file_bytes"].default
+TRUSTED_DEPTH = warm.MAX_IDLE  # idle trusted workers kept on a GPU host
 SMALLER_PROBLEM = ("Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
                    "task_globals (e.g. task_globals={\"batch_size\": 16}).")
 MORE_MEMORY = " Or raise job_memory_bytes in loom.toml where the machine has the memory."
@@ -104,9 +104,11 @@ async def validate_candidate(
     reference = await warm.take(
         JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
                 env=env, visible_devices=visible, timeout_s=timeout_s, max_file_bytes=JOB_FILE_BYTES),
-        # Two kept on a GPU host: a benchmark takes one, and its refill would still be starting
-        # when the next validation comes. On a CPU each start-up takes a core from this job.
-        job_dir.parent / "warm", refill=keep_warm, depth=1 if device == "cpu" else 2)
+        # Three kept on a GPU host, shared with the benchmark's input preparation: each step
+        # takes the oldest, so neither meets one started a step ago (with candidates in blank
+        # workers a step is ~5 s, less than a start-up with its warm-up). On a CPU each
+        # start-up takes a core from this job.
+        job_dir.parent / "warm", refill=keep_warm, depth=1 if device == "cpu" else TRUSTED_DEPTH)
     # Written by the reference worker, so in its own directory (the only one it may write).
     cases_dir, cand_go = reference.job_dir / "cases", reference.job_dir / "cand.go"
     cand_spec = JobSpec(
@@ -129,12 +131,22 @@ async def validate_candidate(
                    "memory_limit_bytes": reference.memory_bytes,
                    "candidate_memory_limit_bytes": cand_memory,
                    "disk_limit_bytes": policy.current().disk_bytes}
+    cand_dir = [job_dir / "cand"]  # the candidate's own directory, once it has one
+
+    async def run_candidate() -> JobResult:
+        # A blank worker (torch imported, no path of this job in its root until now) where one
+        # is idle: the candidate's start-up is off the critical path.
+        launched = await warm.start(cand_spec, job_dir.parent / "warm", base_env={**env, **MODEL_JOB_ENV},
+                                    blank=keep_warm and warm.blanks_for(device), refill=keep_warm)
+        cand_dir[0] = launched.job_dir
+        return await supervise(launched)
+
     jobs = StepJobs({
         # Progress from the reference: it runs from the first moment to the last.
         "ref": lambda: warm.run_warm(reference, ref_request, timeout_s=timeout_s, on_progress=progress,
                                      secret_env={"LOOM_NONCE": str(secrets.randbits(62)),
                                                  "LOOM_GO_SIGNER": token}),
-        "cand": lambda: run_job(cand_spec),
+        "cand": run_candidate,
     })
 
     def reference_failure(ref: JobResult) -> LoomError:
@@ -184,7 +196,7 @@ async def validate_candidate(
             findings.append(Finding(check="validation.import", severity="error",
                                     message="the candidate failed to import: " + cand_result["load_error"]))
         if (cand_result is None or cand_result.get("load_error")
-                or not safefs.is_file(job_dir, "cand/outputs/manifest.json")):
+                or not safefs.is_file(cand_dir[0], "outputs/manifest.json")):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
         publish_go(str(signals / "ref.go"), {}, token)
@@ -209,7 +221,7 @@ async def validate_candidate(
         # of MB per validation that would otherwise pile up over a campaign.
         # Unlinked by name beneath their directories: no link on the way is followed.
         safefs.discard(reference.job_dir, cases_dir.name)
-        safefs.discard(job_dir, "cand/outputs")
+        safefs.discard(cand_dir[0], "outputs")
         if reference.alive() and "ref" not in jobs.results:
             reference.discard()
     if "error" in outcome:

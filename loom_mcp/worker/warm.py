@@ -3,7 +3,9 @@
     python -m loom_mcp.worker.warm loom_mcp.worker.reference
 
 The job's request is in the usual file (LOOM_REQUEST); the line on stdin carries the secrets
-that the module reads from its environment. Stdin closing, or nothing arriving within
+that the module reads from its environment (and, for a blank worker, the rest of the job's
+environment). A benchmark process is started for one role (LOOM_BENCH_ROLE), whose pid it takes
+before anything is imported, as when it is started fresh. Stdin closing, or nothing arriving within
 LOOM_WARM_IDLE_S seconds, ends the process without running anything.
 """
 
@@ -14,9 +16,15 @@ import json
 import os
 import select
 import sys
+import tempfile
 
 
 def main() -> None:
+    role = os.environ.get("LOOM_BENCH_ROLE")
+    if role:  # a benchmark process: its pid matters to CUDA IPC (protocol.BENCH_PIDS)
+        from loom_mcp.worker.protocol import take_bench_pid
+
+        take_bench_pid(role)
     module = importlib.import_module(sys.argv[1])  # the expensive part: torch and friends
     warm_up = getattr(module, "warm_up", None)
     if callable(warm_up):  # what the module loads lazily on first use, before any job is known
@@ -30,6 +38,7 @@ def main() -> None:
     if not line.strip():
         return
     os.environ.update({str(k): str(v) for k, v in json.loads(line).get("env", {}).items()})
+    tempfile.tempdir = None  # a job may name its own TMPDIR: not the one seen at start-up
     from loom_mcp.worker.protocol import exit_now, mark
 
     mark("dispatched")
