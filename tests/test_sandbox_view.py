@@ -407,11 +407,14 @@ def test_disk_usage_counts_each_file_once_and_follows_no_link(tmp_path: Path) ->
 def test_isolation_report_names_every_protection() -> None:
     report = isolation.isolation_report()
     for key in ("network", "process_tree", "root_view", "etc_secrets", "host_sockets", "loom_home",
-                "home", "memory_limit", "disk_quota", "process_limit", "capabilities", "bwrap"):
+                "home", "memory_limit", "disk_quota", "process_limit", "capabilities", "bwrap",
+                "blank_workers"):
         assert isinstance(report[key], str) and report[key], key
     if _view_available():
         assert report["root_view"].startswith("allowlist")
         assert not report["etc_secrets"].startswith("not ")
+        late = isolation.capabilities()["probes"]["late"]
+        assert report["blank_workers"].startswith("available" if late["ok"] else "not available"), late
 
 
 @pytest.mark.anyio

@@ -940,6 +940,63 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     return _probe_outcome(r, pid)
 
 
+def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """In a throw-away child: a worker in a late root (as a blank worker), then a read-only bind
+    added by init; does the worker see it, read-only, and nothing of init's host tree?"""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            _enter_namespaces(features)
+            init = os.fork()
+            if init == 0:
+                out: dict[str, Any] = {"ok": False}
+                try:
+                    _build_root(cfg["view"], late=True)
+                    entered_r, entered_w = os.pipe()
+                    added_r, added_w = os.pipe()
+                    worker = os.fork()
+                    if worker == 0:
+                        os.close(entered_r)
+                        os.close(added_w)
+                        _enter_late_root(cfg["view"]["cwd"])
+                        os.close(entered_w)
+                        os.read(added_r, 1)
+                        target = cfg["late"]["path"] + "/file"
+                        checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
+                                  "added_is_readonly": _stays_readonly(target),
+                                  "host_tree_gone": not os.path.lexists(_OLD) and not os.path.lexists(_STAGE)}
+                        os.write(w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
+                        os._exit(0)
+                    os.close(entered_w)
+                    os.read(entered_r, 1)
+                    _apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
+                                  "mode": "ro", "optional": False}])
+                    os.close(added_w)
+                    os.waitpid(worker, 0)
+                    os._exit(0)
+                except BaseException as exc:
+                    out["error"] = str(exc)
+                os.write(w, json.dumps(out).encode())
+                os._exit(0)
+            os.waitpid(init, 0)
+        except BaseException as exc:
+            os.write(w, json.dumps({"ok": False, "error": str(exc)}).encode())
+        os._exit(0)
+    os.close(w)
+    return _probe_outcome(r, pid)
+
+
+def _stays_readonly(path: str) -> bool:
+    try:
+        with open(path, "a") as f:
+            f.write("x")
+        return False
+    except OSError:
+        return True
+
+
 def _probe_main(view_cfg: dict[str, Any] | None) -> NoReturn:
     results = {name: _probe_one(features) for name, features in _PROBES.items()}
     if view_cfg is not None:
@@ -948,6 +1005,8 @@ def _probe_main(view_cfg: dict[str, Any] | None) -> NoReturn:
             results["view"] = {"ok": False, "error": "needs a pid (and mount) namespace"}
         else:
             results["view"] = _probe_view(features, view_cfg)
+            if results["view"].get("ok"):
+                results["late"] = _probe_late(features, view_cfg)
     sys.stdout.write(json.dumps({"uid": os.geteuid(), "probes": results}))
     sys.stdout.flush()
     os._exit(0)
@@ -975,6 +1034,7 @@ def _view_probe_config(scratch: Path) -> dict[str, Any]:
         "view": {"ops": view_plan.job_view(job_dir=job, readable=[readable], writable=[],
                                            tmp_bytes=1 << 20),
                  "cwd": str(job)},
+        "late": {"path": str(scratch / "late"), "src": str(readable)},
         "checks": {"secret": str(secret / "file"), "socket": str(scratch / "sock"),
                    "loom_home": [str(p) for p in hidden if p.exists()][:5],
                    "home": home_entries[:8], "readable": str(readable / "file"),
@@ -1049,6 +1109,8 @@ def plan(caps: dict[str, Any], allow_network: bool) -> dict[str, Any]:
         # where a toolchain needs a path the allowlist does not bind.
         "view": "pid" in features and _ok(caps, "view")
         and os.environ.get("LOOM_SANDBOX_VIEW", "allowlist") != "readonly",
+        # Paths added to a running job's root (blank workers: sandbox/warm.py)
+        "late": "pid" in features and _ok(caps, "view") and _ok(caps, "late"),
         "memory": "cgroup" if caps.get("memory_cgroup") else "rlimit",
     }
 
@@ -1143,6 +1205,16 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
         )
     else:
         report["process_limit"] = "not enforced: no user namespace and no writable pids cgroup"
+    if view and cut["late"]:
+        report["blank_workers"] = (
+            "available: on a GPU host candidates, benchmark arms and the timer start in workers "
+            "started ahead (torch imported), whose init adds the job's own paths read-only or "
+            "writable as a fresh root would have them; init is non-dumpable and keeps the host "
+            "tree out of the worker's mount namespace (probed: " +
+            _passed(caps["probes"]["late"].get("checks") or {}) + ")")
+    else:
+        report["blank_workers"] = (f"not available ({why('late')}): every candidate, arm and "
+                                   "timer starts a fresh process")
     report["capabilities"] = (
         "dropped before exec: empty bounding, permitted, effective and ambient sets, no_new_privs")
     report["core_dumps"] = "off (RLIMIT_CORE=0)"

@@ -251,7 +251,7 @@ def late_binds_possible(spec: JobSpec) -> bool:
     """Can `spec` run in a pre-started worker whose paths are added later? Only with a root of
     its own (the allowlist view) inside a pid namespace, whose init adds them."""
     plan = isolation.plan(isolation.capabilities(), allow_network=spec.allow_network)
-    return bool(spec.readonly_fs and plan.get("view") and "pid" in plan["unshare"])
+    return bool(spec.readonly_fs and plan.get("view") and plan.get("late") and "pid" in plan["unshare"])
 
 
 def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Launched:

@@ -251,6 +251,7 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
     if "TMPDIR" in go_env:
         go_env.update(TMP=go_env["TMPDIR"], TEMP=go_env["TMPDIR"])
     message = {"ops": ops, "go": json.dumps({"env": go_env})}
+    sent = time.monotonic()
     try:
         assert worker.process.stdin is not None
         worker.process.stdin.write((json.dumps(message) + "\n").encode())
@@ -275,8 +276,8 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
         return error
     for problem in ack.get("problems") or []:
         log.debug("sandbox: optional entry not added: %s", problem)
-    log.info("warm: %s runs in blank worker %s (%d paths added)", spec.job_dir.name,
-             worker.job_dir.name, len(ops))
+    log.info("warm: %s runs in blank worker %s (%d paths added in %.1f ms)", spec.job_dir.name,
+             worker.job_dir.name, len(ops), 1000 * (time.monotonic() - sent))
     worker.spec = spec
     worker.watched = (worker.job_dir, *writable)
     return None
