@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loom_mcp.bench.command import (
-    benchmark_commands,
+from loom_mcp.bench.command import benchmark_commands
+from loom_mcp.bench.metrics import (
     detect_kind,
     last_json_object,
     metric_direction,

@@ -311,7 +311,8 @@ def test_request_file_is_not_written_through_a_planted_link(layout):
 def test_metrics_file_link_is_refused(layout):
     from pathlib import PurePosixPath
 
-    from loom_mcp.bench.command import OutputError, _read_metrics
+    from loom_mcp.bench.command import _read_metrics
+    from loom_mcp.bench.metrics import OutputError
 
     job, victim = layout
     assert _read_metrics(job, PurePosixPath("absent.json")) is None
