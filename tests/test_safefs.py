@@ -330,12 +330,12 @@ def test_git_link_file_that_is_a_fifo_or_link_does_not_hang_or_follow(tmp_path):
     d = tmp_path / "wt"
     d.mkdir()
     os.mkfifo(d / ".git")
-    assert _in_thread(lambda: gitops._points_into(None, d)) is None  # type: ignore[arg-type]
+    assert _in_thread(lambda: gitops.worktrees._points_into(None, d)) is None  # type: ignore[arg-type]
     os.unlink(d / ".git")
     target = tmp_path / "gitfile"
     target.write_text("gitdir: /somewhere/.git/worktrees/x\n")
     (d / ".git").symlink_to(target)
-    assert gitops._points_into(None, d) is None  # type: ignore[arg-type]
+    assert gitops.worktrees._points_into(None, d) is None  # type: ignore[arg-type]
 
 
 KINETO = {"traceEvents": [
