@@ -10,8 +10,10 @@ processes run through MCP in blank workers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,34 @@ async def test_a_benchmark_runs_its_arms_and_timer_in_blank_workers(blank_server
         assert (second / role).is_symlink(), role
         assert (second / role).resolve().name.startswith("b")
     assert isolation.capabilities()  # probed once for the whole run
+
+
+@needs_late
+def test_a_worker_near_its_idle_limit_is_never_handed_a_job(tmp_path: Path) -> None:
+    """One given its job as its idle time runs out could exit without running it, which would
+    read as the job's own failure: it is discarded and another started."""
+    spec = JobSpec(argv=[sys.executable, "-m", "this"], job_dir=tmp_path / "run" / "j", timeout_s=60)
+    template, pool = warm._blank_template(spec, {}), tmp_path / "warm"
+    warm.prewarm(template, pool, blank=True)
+    (old,) = warm.idle_workers()
+    old.born -= warm.IDLE_S * 0.95
+    assert warm._take_idle(warm._key(template, pool, blank=True)) is None
+    assert not old.alive()
+
+
+@needs_late
+def test_a_worker_that_died_idle_does_not_turn_blank_workers_off(tmp_path: Path) -> None:
+    import signal
+
+    spec = JobSpec(argv=[sys.executable, "-m", "this"], job_dir=tmp_path / "run" / "j", timeout_s=60)
+    template, pool = warm._blank_template(spec, {}), tmp_path / "warm"
+    warm.prewarm(template, pool, blank=True)
+    (worker,) = warm.idle_workers()
+    deadline = time.monotonic() + 30
+    while len(isolation.descendants(worker.process.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until init and the worker exist
+    for pid in isolation.descendants(worker.process.pid):  # init and the worker, not the launcher
+        os.kill(pid, signal.SIGKILL)
+    error = warm.dispatch_late(worker, spec, {}, tmp_path / "run" / "j")
+    assert error is not None
+    assert warm._late_failed == []

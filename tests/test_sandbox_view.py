@@ -236,10 +236,11 @@ async def test_shm_dir_is_shared_between_jobs(tmp_path: Path) -> None:
 
 @needs_view
 @pytest.mark.anyio
-async def test_a_failed_view_falls_back_to_the_read_only_tree(
+async def test_a_failed_view_fails_the_job_rather_than_show_the_host_tree(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """When the kernel refuses a required entry, init restores the host's root and makes it
-    read-only instead; the job says which view it had."""
+    """The probe built a root here, so a required entry failing is this job's paths (or someone
+    swapping them): the job does not run, not even with the host's tree read-only. (The
+    read-only tree is for machines whose probe fails, or LOOM_SANDBOX_VIEW=readonly.)"""
     real = view.job_view
 
     def broken(**kw):
@@ -250,9 +251,9 @@ async def test_a_failed_view_falls_back_to_the_read_only_tree(
     target = tmp_path / "outside.txt"
     target.write_text("kept")
     res = await run_job(_probe(tmp_path, write={"outside": target}))
-    assert res.ok, res.stderr_tail
-    assert res.view == "readonly" and res.readonly_fs
-    assert res.result["outside"] == "Read-only file system"
+    assert res.returncode == isolation.SETUP_FAILED and res.result is None, res
+    assert "the job's root could not be built" in res.stderr_tail
+    assert "/no-such-source" in res.stderr_tail
     assert target.read_text() == "kept"
 
 

@@ -43,6 +43,7 @@ import resource
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -93,7 +94,13 @@ LAUNCHER_TASKS = 2
 # Exit code of the launcher when the sandbox itself could not be set up.
 SETUP_FAILED = 125
 
-_NS_FLAGS = {"user": CLONE_NEWUSER, "net": CLONE_NEWNET, "pid": CLONE_NEWPID | CLONE_NEWNS}
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+# The pid namespace comes with a mount namespace (its /proc, the job's root), a UTS one (a job may
+# not rename the host) and an IPC one (SysV segments and message queues are otherwise shared
+# with the host and with every other job, and outlive the job).
+_NS_FLAGS = {"user": CLONE_NEWUSER, "net": CLONE_NEWNET,
+             "pid": CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC}
 
 
 # ----------------------------------------------------------------------------- libc helpers
@@ -207,6 +214,32 @@ def _touch(path: str) -> None:
 _NEW, _OLD, _STAGE = "/newroot", "/oldroot", "/stage"
 
 
+def _open_exact(path: str) -> int:
+    """An O_PATH descriptor of the host's `path` (under /oldroot), opened one component at a
+    time without following any symlink. The server resolved every link when it planned the
+    root; one met now was swapped in since (the agent owns its candidate's directory), and
+    following it could bind the host's whole tree."""
+    fd = os.open(_OLD, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in [part for part in path.split("/") if part]:
+            if name in (".", ".."):
+                raise OSError(errno.EINVAL, f"{path}: not a plain path")
+            nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise OSError(errno.ELOOP, f"{path}: a symlink appeared on the way")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fd_path(fd: int) -> bytes:
+    # The magic link resolves to the very file the descriptor holds, whatever its path is now.
+    return f"{_OLD}/proc/self/fd/{fd}".encode()
+
+
 def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
     """One entry of the server's plan (`loom_mcp.sandbox.view`), inside the root being built.
 
@@ -220,14 +253,17 @@ def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
         if op.get("readonly"):
             later_readonly.append(dst)  # once what is mounted below it has its mount point
     elif kind == "bind":
-        src = _OLD + op["src"]
-        if os.path.isdir(src):
-            os.makedirs(dst, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            if not os.path.exists(dst):
-                _touch(dst)
-        _mount(src.encode(), dst.encode(), None, MS_BIND | MS_REC)
+        fd = _open_exact(op["src"])
+        try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.makedirs(dst, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                if not os.path.exists(dst):
+                    _touch(dst)
+            _mount(_fd_path(fd), dst.encode(), None, MS_BIND | MS_REC)
+        finally:
+            os.close(fd)
         if op["mode"] == "ro":
             _make_readonly(dst)
     elif kind == "mask":
@@ -247,6 +283,7 @@ def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
     elif kind == "proc":
         os.makedirs(dst, exist_ok=True)
         _mount(b"proc", dst.encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _harden_proc(dst, _OLD + "/dev/null")  # or no /proc at all
     elif kind == "devpts":
         os.makedirs(dst, exist_ok=True)
         _mount(b"devpts", dst.encode(), b"devpts", MS_NOSUID | MS_NOEXEC,
@@ -370,29 +407,33 @@ def _apply_late_op(op: dict[str, Any], stage: str) -> None:
     if kind == "symlink" or (kind == "tmpfs" and not op.get("readonly")):
         _apply_op(op, [])
         return
-    if kind == "bind":
-        src = _OLD + op["src"]
-        is_dir, readonly = os.path.isdir(src), op["mode"] == "ro"
-    elif kind in ("mask", "tmpfs"):
-        is_dir, readonly = kind == "tmpfs" or os.path.isdir(dst), True
-    else:
+    if kind not in ("bind", "mask", "tmpfs"):
         raise OSError(errno.EINVAL, f"{kind!r} cannot be added to a running job")
-    if is_dir:
-        os.mkdir(stage, 0o700)
-        os.makedirs(dst, exist_ok=True)
-    else:
-        _touch(stage)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if not os.path.exists(dst):
-            _touch(dst)
-    if kind == "bind":
-        _mount(src.encode(), stage.encode(), None, MS_BIND | MS_REC)
-    elif kind == "tmpfs":
-        _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, op["options"].encode())
-    elif is_dir:
-        _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=0755")
-    else:
-        _mount(b"/oldroot/dev/null", stage.encode(), None, MS_BIND)
+    src_fd = _open_exact(op["src"]) if kind == "bind" else None
+    try:
+        if src_fd is not None:
+            is_dir, readonly = stat.S_ISDIR(os.fstat(src_fd).st_mode), op["mode"] == "ro"
+        else:
+            is_dir, readonly = kind == "tmpfs" or os.path.isdir(dst), True
+        if is_dir:
+            os.mkdir(stage, 0o700)
+            os.makedirs(dst, exist_ok=True)
+        else:
+            _touch(stage)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if not os.path.exists(dst):
+                _touch(dst)
+        if src_fd is not None:
+            _mount(_fd_path(src_fd), stage.encode(), None, MS_BIND | MS_REC)
+        elif kind == "tmpfs":
+            _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, op["options"].encode())
+        elif is_dir:
+            _mount(b"tmpfs", stage.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=0755")
+        else:
+            _mount(b"/oldroot/dev/null", stage.encode(), None, MS_BIND)
+    finally:
+        if src_fd is not None:
+            os.close(src_fd)
     if readonly:
         _mount_setattr(stage, MOUNT_ATTR_RDONLY, 0, recursive=True)
     _mount(stage.encode(), dst.encode(), None, MS_MOVE)
@@ -439,6 +480,13 @@ def _enter_namespaces(features: list[str]) -> list[str]:
     except OSError as exc:
         raise _Broken(f"uid/gid map: {exc}") from exc
     problems = []
+    try:
+        # No user namespace below this one (the limit is this namespace's own; the host's stays):
+        # in a nested one a job without capabilities here would have them all, enough to mount
+        # a cgroup hierarchy rooted at its own cgroup and lift its memory and process limits.
+        _write("/proc/sys/user/max_user_namespaces", "0")
+    except OSError as exc:
+        problems.append(f"nested user namespaces stay possible: {exc}")
     if "net" in features:
         # A fresh net namespace has only `lo`, and it is down. Bring it up so that code which
         # talks to itself over 127.0.0.1 still works; the host stays unreachable.
@@ -472,6 +520,42 @@ def _mount_proc() -> None:
     such as psutil would read the wrong process.
     """
     _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _harden_proc("/proc", "/dev/null")
+
+
+# The kernel's knobs under /proc: written by uid, not by capability, so a job running as the
+# server's uid (root, when the server is) could set the host's core_pattern (a program run as
+# root on the next crash) or sysrq. Read-only in every job; a few that only leak, hidden.
+_PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_PROC_HIDDEN = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
+                "acpi", "scsi", "asound")
+
+
+def _harden_proc(proc: str, devnull: str) -> None:
+    try:
+        _harden_proc_entries(proc, devnull)
+    except OSError:
+        with contextlib.suppress(OSError):
+            _umount(proc)  # a /proc with the host's knobs writable is worse than none
+        raise
+
+
+def _harden_proc_entries(proc: str, devnull: str) -> None:
+    for name in _PROC_READONLY:
+        path = f"{proc}/{name}"
+        if os.path.lexists(path):
+            _mount(path.encode(), path.encode(), None, MS_BIND | MS_REC)
+            _make_readonly(path)
+    for name in _PROC_HIDDEN:
+        path = f"{proc}/{name}"
+        if not os.path.lexists(path):
+            continue
+        if os.path.isdir(path):
+            _mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=4k,mode=0555")
+            _make_readonly(path, recursive=False)
+        else:
+            _mount(devnull.encode(), path.encode(), None, MS_BIND)
+            _make_readonly(path, recursive=False)
 
 
 # ----------------------------------------------------------------------------- /proc helpers
@@ -892,8 +976,26 @@ def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
         except OSError:
             return False
 
+    def rewrites(path: str) -> bool:  # writes back the value it read: harmless if it works
+        try:
+            with open(path, "r+b") as f:
+                data = f.read()
+                f.seek(0)
+                f.write(data or b"\n")
+            return True
+        except OSError:
+            return False
+
+    def nests_user_namespace() -> bool:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if _libc().unshare(CLONE_NEWUSER) == 0 else 1)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
     return {
         "proc": os.path.exists("/proc/self") and os.readlink("/proc/self") == "1",
+        "proc_sys_readonly": not rewrites("/proc/sys/kernel/core_pattern"),
+        "no_nested_user_namespace": not nests_user_namespace(),
         "etc_secrets_hidden": all(hidden(p) for p in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers",
                                                        "/etc/ssh")),
         "etc_passwd_kept": os.path.exists("/etc/passwd") or not checks.get("passwd"),
@@ -922,7 +1024,10 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
                 try:
                     problems = _build_root(cfg["view"])
                     out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
-                    out["ok"] = all(out["checks"].values())
+                    # The two kernel-knob checks are reported, not required: a root of its own
+                    # is still far better than the host's tree where they fail.
+                    out["ok"] = all(v for k, v in out["checks"].items()
+                                    if k not in ("proc_sys_readonly", "no_nested_user_namespace"))
                     if problems:
                         out["problems"] = problems
                     if not out["ok"]:
@@ -1215,6 +1320,16 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
     else:
         report["blank_workers"] = (f"not available ({why('late')}): every candidate, arm and "
                                    "timer starts a fresh process")
+    report["kernel_knobs"] = held(
+        "proc_sys_readonly", "out of reach: /proc/sys, sysrq-trigger, irq, bus and fs are read-only "
+        "in a job's /proc (kcore, keys, timer_list and a few more hidden), whatever uid it runs as",
+        "read-only: a job running as root could write the host's sysctls (core_pattern)")
+    report["nested_namespaces"] = held(
+        "no_nested_user_namespace", "refused: a job's user namespace allows none below it, so it "
+        "cannot gain capabilities there (to mount its own cgroup and lift its limits)",
+        "refused: a job can create user namespaces below its own")
+    report["host_ipc"] = ("own UTS and IPC namespaces (the host's SysV segments, message queues "
+                          "and hostname out of reach), a fresh session keyring")
     report["capabilities"] = (
         "dropped before exec: empty bounding, permitted, effective and ambient sets, no_new_privs")
     report["core_dumps"] = "off (RLIMIT_CORE=0)"
@@ -1332,7 +1447,10 @@ def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         try:
             problems = _build_root(view, late=bool(cfg.get("late")))
         except OSError as exc:
-            errors["view"] = str(exc)
+            # The server planned a root of its own because the probe built one here: failing
+            # now is this job's paths (or someone swapping them), and must not buy the job the
+            # host's tree, even read-only.
+            raise _Broken(f"the job's root could not be built: {exc}") from exc
         else:
             applied.update(view="allowlist", readonly_fs=True)
             applied["proc"] = not any(p.startswith("/proc:") for p in problems)
@@ -1367,6 +1485,9 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if select.select([alive_r], [], [], 0)[0]:
             os._exit(1)
+        # Signals from inside the namespace reach init only where it has a handler: Python's
+        # for SIGINT would let the job end itself through init (rc 130) rather than by exiting.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             applied, errors = _setup_fs(cfg)
         except _Broken as exc:
@@ -1473,6 +1594,19 @@ def _run_with_subreaper(argv: list[str], meta_fd: int | None, worker_fds: list[i
     _exit_like(status)
 
 
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 250, "s390x": 280}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def _fresh_keyring() -> None:
+    """A new, empty session keyring for the job: the server's (a login's, with its tokens) is
+    otherwise inherited, readable and writable by every job. Best effort: no keyctl, no keys."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is not None:
+        _libc().syscall(ctypes.c_long(number), ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING),
+                        ctypes.c_char_p(None))
+
+
 def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     meta_fd: int | None = cfg.get("meta_fd")
     worker_fds: list[int] = cfg.get("worker_fds", [])
@@ -1483,6 +1617,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
         if os.getppid() != parent:
             os._exit(SETUP_FAILED)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _fresh_keyring()
     fsize = cfg.get("fsize")
     if fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))

@@ -204,6 +204,7 @@ class Launched:
     # on which its init says whether a job's paths were added (warm.dispatch_late).
     view_ops: list[dict[str, Any]] | None = None
     ack_r: int | None = None
+    born: float = 0.0  # time.monotonic() when it was started
 
     @property
     def cgroup(self) -> str | None:
@@ -371,7 +372,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
                     meta_r=meta_r, request_path=request_path, memory_bytes=memory,
                     disk_bytes=disk, watched=(job_dir, *extra),
                     view_ops=root_view["ops"] if ack_r is not None and root_view else None,
-                    ack_r=ack_r)
+                    ack_r=ack_r, born=time.monotonic())
 
 
 async def _wait_exit(process: subprocess.Popen) -> None:
@@ -404,6 +405,9 @@ def disk_usage(paths: tuple[Path, ...], stop_above: int | None = None) -> int:
     followed, hard links once). Stops counting once past `stop_above`. Blocking."""
     roots = sorted({str(p) for p in paths})
     roots = [r for r in roots if not any(r != o and r.startswith(o.rstrip("/") + "/") for o in roots)]
+    # A root swapped for a link since the job was planned is not the job's: never scan where it
+    # points (the host's whole tree, say).
+    roots = [r for r in roots if not os.path.islink(r)]
     total = 0
     seen: set[tuple[int, int]] = set()
     todo = list(roots)
@@ -413,18 +417,21 @@ def disk_usage(paths: tuple[Path, ...], stop_above: int | None = None) -> int:
         except OSError:
             continue
         with entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                    if entry.is_dir(follow_symlinks=False):
-                        todo.append(entry.path)
-                except OSError:
-                    continue
-                if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
-                    if (st.st_dev, st.st_ino) in seen:
+            try:
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        if entry.is_dir(follow_symlinks=False):
+                            todo.append(entry.path)
+                    except OSError:
                         continue
-                    seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
+                    if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
+                        if (st.st_dev, st.st_ino) in seen:
+                            continue
+                        seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+            except OSError:  # the directory went away or became unreadable while listed
+                pass
         if stop_above is not None and total > stop_above:
             break
     return total

@@ -99,14 +99,17 @@ def _fresh(template: JobSpec, pool_dir: Path, blank: bool = False) -> Launched:
 
 
 def _take_idle(key: str) -> Launched | None:
-    """The oldest idle worker for `key` that is still alive (it has had longest to start)."""
+    """The oldest idle worker for `key` that is still alive (it has had longest to start) and
+    not about to give up waiting: one given its job as its idle time runs out could exit without
+    running it, which would read as the job's own failure."""
     dead: list[Launched] = []
     worker = None
+    fresh_after = time.monotonic() - IDLE_S * 0.9
     with _lock:
         queue = _idle.get(key, [])
         while queue and worker is None:
             first = queue.pop(0)
-            if first.alive():
+            if first.alive() and first.born > fresh_after:
                 worker = first
             else:
                 dead.append(first)
@@ -266,10 +269,12 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
     try:
         ack = json.loads(reply)
     except ValueError:
-        ack = {"ok": False, "error": "no answer from its init" if not reply else reply[:200].decode(errors="replace")}
-    if not isinstance(ack, dict) or not ack.get("ok"):
-        error = str(ack.get("error") if isinstance(ack, dict) else ack)
-        if not _late_failed:
+        ack = None
+    if not isinstance(ack, dict):  # it died meanwhile (or never answered): this worker only
+        return "no answer from its init" if not reply else reply[:200].decode(errors="replace")
+    if not ack.get("ok"):
+        error = str(ack.get("error"))
+        if not _late_failed:  # init itself refused: so will every other
             log.warning("sandbox: this kernel cannot add a job's paths to a running worker (%s); "
                         "every job gets a fresh process", error)
             _late_failed.append(error)
