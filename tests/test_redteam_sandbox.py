@@ -173,3 +173,22 @@ async def test_benchmark_command_cannot_touch_loom_home_or_home(workspace, monke
     assert not (user_home / ".bashrc").exists()
     assert (work / "build" / "out.txt").read_text() == "built"  # its working tree stays writable
     assert hashlib.sha256(toml_before).hexdigest()  # (the config the server started with)
+
+
+@pytest.mark.anyio
+async def test_a_gpu_too_full_for_the_case_is_a_resource_limit_not_a_failed_candidate(server, workspace):
+    """A problem whose inputs fill the GPU beside the reference's process: an honest copy of the
+    reference would fail every case, so the answer is [RESOURCE_LIMIT] with a way to shrink it.
+    (Raising the error on purpose buys a candidate no verdict: the call is refused, not passed.)"""
+    (workspace / "redteam" / "gpu_full.py").write_text(
+        "import torch\n\n\nclass ModelNew(torch.nn.Module):\n"
+        "    def __init__(self, dim: int = 64):\n        super().__init__()\n\n"
+        "    def forward(self, x):\n"
+        "        raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 4.00 GiB.')\n")
+    async with Client(server) as client:
+        result = await client.call_tool("run_validation", {
+            "task": str(workspace / "redteam" / "task_rmsnorm.py"),
+            "candidate": str(workspace / "redteam" / "gpu_full.py")})
+    assert result.is_error
+    text = result.content[0].text
+    assert "[RESOURCE_LIMIT] the GPU ran out of memory" in text and "task_globals" in text, text

@@ -15,6 +15,7 @@ The static checks read the candidate's source without running it.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import sys
 import time
@@ -56,6 +57,7 @@ TRUSTED_DEPTH = warm.MAX_IDLE  # idle trusted workers kept on a GPU host
 SMALLER_PROBLEM = ("Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
                    "task_globals (e.g. task_globals={\"batch_size\": 16}).")
 MORE_MEMORY = " Or raise job_memory_bytes in loom.toml where the machine has the memory."
+_GPU_FULL = re.compile(r"OutOfMemoryError: CUDA out of memory|HIP out of memory|hipErrorOutOfMemory")
 
 
 def out_of_memory(job: JobResult) -> bool:
@@ -232,6 +234,13 @@ async def validate_candidate(
     log.info("validation %s: reference done %.2f s after it was given the job (%s)", validation_id,
              ref.wall_s, ref.timeline(began))
     cases = build_cases(ref.result["planned"], cand_result["cases"], ref.result["cases"], findings)
+    errors = [str(run.get("error") or "") for run in cand_result["cases"] if isinstance(run, dict)]
+    if errors and all(_GPU_FULL.search(e) for e in errors if e) and any(errors):
+        # The candidate shares the GPU with the reference's process: a problem this big does not
+        # tell us anything about the candidate, and an honest copy of the reference fails alike.
+        first = next(e for e in errors if e).splitlines()[0]
+        raise LoomError(ErrorCode.RESOURCE_LIMIT, "the GPU ran out of memory while the candidate "
+                        f"ran its cases beside the reference ({first[:300]}). {SMALLER_PROBLEM}")
     passed = bool(cases) and all(c.passed for c in cases) and not any(
         f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
