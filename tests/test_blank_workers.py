@@ -68,6 +68,8 @@ def main():
         "init_fds": init_fds,
         "init_mem": opens("/proc/1/mem") or opens("/proc/1/environ"),
         "init_mnt_ns": opens("/proc/1/ns/mnt"),
+        "init_cmdline_plan": "ops" in open("/proc/1/cmdline").read(),
+        "own_fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "job_env": os.environ.get("LOOM_PROBE_JOB"),
         "tmpdir": os.environ.get("TMPDIR"),
     }
@@ -145,8 +147,12 @@ async def test_a_blank_worker_gets_exactly_its_jobs_paths_and_nothing_of_init(tm
         "reads_readable": True, "writes_readable": False, "writes_writable": True,
         "writes_alias": True, "writes_root": False, "writes_usr": False, "sees_secret": False,
         "sees_staging": [], "init_root": False, "init_cwd": False, "init_fds": [],
-        "init_mem": False, "init_mnt_ns": False, "job_env": "given with the job",
+        "init_mem": False, "init_mnt_ns": False, "init_cmdline_plan": False,
+        "own_fds": report["own_fds"], "job_env": "given with the job",
         "tmpdir": str(worker.job_dir)}, report
+    # stdin, stdout, stderr, the result pipe and the listing's own descriptor: no pipe of
+    # init's (ack, feed, status), no launcher plan
+    assert len(report["own_fds"]) <= 5, report["own_fds"]
     assert (writable / "out").read_text() == "x"
     # The job's directory, as the caller named it, is the worker's own.
     assert (spec.job_dir / "via-alias").read_text() == "x"

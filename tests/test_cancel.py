@@ -4,7 +4,6 @@ records the call as cancelled, while the server keeps serving."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,17 +34,18 @@ class ModelNew(torch.nn.Module):
 
 
 def our_jobs() -> list[str]:
-    """Sandbox launchers started by this process (the in-process server: their config names us),
+    """Sandbox launchers (and their inits) started by this process (the in-process server),
     except idle warm workers, which wait for a later call by design (and go with the server)."""
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    mark = f'"parent_pid": {os.getpid()},'
     idle = set()
     for worker in warm.idle_workers():  # the launcher and what it forked (its init)
         idle |= {worker.process.pid, *isolation.descendants(worker.process.pid)}
     jobs = []
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if mark in args and int(pid) not in idle:
+    for pid in isolation.descendants(os.getpid()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if isolation.LAUNCHER in args and pid not in idle:
             jobs.append(args)
     return jobs
 

@@ -1681,8 +1681,12 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
 def _main() -> NoReturn:
     if sys.argv[1:2] == ["--probe"]:
         _probe_main(json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
+    if sys.argv[1:2] == ["--config-fd"] and len(sys.argv) > 3:
+        with os.fdopen(int(sys.argv[2]), "rb") as config:  # closed: init and the worker never see it
+            cfg = json.loads(config.read())
+        _launch(cfg, sys.argv[3:])
     if len(sys.argv) < 3:
-        os.write(2, b"usage: isolation.py CONFIG_JSON ARGV...\n")
+        os.write(2, b"usage: isolation.py (CONFIG_JSON | --config-fd FD) ARGV...\n")
         os._exit(2)
     _launch(json.loads(sys.argv[1]), sys.argv[2:])
 

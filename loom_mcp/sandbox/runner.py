@@ -341,7 +341,13 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
         "late": ack_w is not None,
         "ack_fd": ack_w,
     }
-    argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, json.dumps(config), *spec.argv]
+    # The plan travels in a memory file, not on the command line: the job's init is the
+    # launcher, and its /proc/1/cmdline is readable from inside the job.
+    config_fd = os.memfd_create("loom-launcher-config", 0)
+    os.write(config_fd, json.dumps(config).encode())
+    os.lseek(config_fd, 0, os.SEEK_SET)
+    argv = [sys.executable, "-I", "-S", isolation.LAUNCHER, "--config-fd", str(config_fd), *spec.argv]
+    passed = (result_w, meta_w, config_fd) if ack_w is None else (result_w, meta_w, ack_w, config_fd)
     try:
         process = subprocess.Popen(
             argv,
@@ -351,10 +357,10 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
             cwd=job_dir,
             env=env,
             start_new_session=True,
-            pass_fds=(result_w, meta_w) if ack_w is None else (result_w, meta_w, ack_w),
+            pass_fds=passed,
         )
     except OSError as exc:
-        for fd in (result_r, meta_r, ack_r):
+        for fd in (result_r, meta_r, ack_r, config_fd):
             if fd is not None:
                 os.close(fd)
         for path in set(cgroups.values()):
@@ -362,7 +368,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
         raise LoomError(ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}") from exc
     finally:
         # Only the child keeps the write ends: EOF then means "every writer is gone".
-        for fd in (result_w, meta_w, ack_w):
+        for fd in (result_w, meta_w, ack_w, config_fd):
             if fd is not None:
                 os.close(fd)
     assert process.stdout is not None and process.stderr is not None  # both PIPE above
