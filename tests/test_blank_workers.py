@@ -2,7 +2,7 @@
 
 A blank worker's root holds the system, the interpreter and a directory of its own; its init
 keeps the host's tree so that it can add a job's paths later (sandbox/warm.py,
-isolation._apply_late). These tests run the real launcher with real namespaces: a probe module
+mounts._apply_late). These tests run the real launcher with real namespaces: a probe module
 reports what the worker can reach once it has its job, and the same attacks as for fresh
 processes run through MCP in blank workers.
 """
@@ -20,7 +20,7 @@ import pytest
 from mcp import Client
 
 from loom_mcp.config import load_config
-from loom_mcp.sandbox import JobSpec, isolation, runner, view, warm
+from loom_mcp.sandbox import JobSpec, isolation, procs, runner, view, warm
 from loom_mcp.server import build_server
 
 REDTEAM = Path(__file__).parent / "redteam"
@@ -264,9 +264,9 @@ def test_a_worker_that_died_idle_does_not_turn_blank_workers_off(tmp_path: Path)
     warm.prewarm(template, pool, blank=True)
     (worker,) = warm.idle_workers()
     deadline = time.monotonic() + 30
-    while len(isolation.descendants(worker.process.pid)) < 2 and time.monotonic() < deadline:
+    while len(procs.descendants(worker.process.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # until init and the worker exist
-    for pid in isolation.descendants(worker.process.pid):  # init and the worker, not the launcher
+    for pid in procs.descendants(worker.process.pid):  # init and the worker, not the launcher
         os.kill(pid, signal.SIGKILL)
     error = warm.dispatch_late(worker, spec, {}, tmp_path / "run" / "j")
     assert error is not None

@@ -12,7 +12,7 @@ import pytest
 from mcp import Client
 
 from loom_mcp.config import load_config
-from loom_mcp.sandbox import isolation, warm
+from loom_mcp.sandbox import isolation, procs, warm
 from loom_mcp.server import build_server
 from loom_mcp.store import Ledger
 
@@ -38,9 +38,9 @@ def our_jobs() -> list[str]:
     except idle warm workers, which wait for a later call by design (and go with the server)."""
     idle = set()
     for worker in warm.idle_workers():  # the launcher and what it forked (its init)
-        idle |= {worker.process.pid, *isolation.descendants(worker.process.pid)}
+        idle |= {worker.process.pid, *procs.descendants(worker.process.pid)}
     jobs = []
-    for pid in isolation.descendants(os.getpid()):
+    for pid in procs.descendants(os.getpid()):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:

@@ -513,7 +513,7 @@ def test_code_cache_is_per_content(tmp_path: Path) -> None:
 # a process holding capabilities its peer lacks is out of its reach anyway).
 HOLDER = """
 import sys, time
-from loom_mcp.sandbox.isolation import _drop_capabilities
+from loom_mcp.sandbox.launcher import _drop_capabilities
 from loom_mcp.worker.protocol import forbid_inspection
 _drop_capabilities()
 if sys.argv[1] == "forbid":
@@ -524,7 +524,7 @@ time.sleep(60)
 
 PEEKER = """
 import sys
-from loom_mcp.sandbox.isolation import _drop_capabilities
+from loom_mcp.sandbox.launcher import _drop_capabilities
 _drop_capabilities()
 try:
     open(f"/proc/{sys.argv[1]}/environ", "rb").read()

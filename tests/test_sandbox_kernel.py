@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from loom_mcp.sandbox import JobSpec, isolation, run_job, runner, view, warm
+from loom_mcp.sandbox import JobSpec, isolation, launcher, run_job, runner, view, warm
 
 # Runs inside the job: each entry is True when the way out is open.
 PROBE = r'''
@@ -170,6 +170,6 @@ async def test_a_root_that_cannot_be_built_fails_the_job_instead_of_showing_the_
     _swap_after_planning(monkeypatch, writable)
     result = await run_job(JobSpec(argv=[sys.executable, "-c", "print('ran')"], job_dir=tmp_path / "job",
                                    writable=[writable], timeout_s=60))
-    assert result.returncode == isolation.SETUP_FAILED, (result.returncode, result.stdout_tail)
+    assert result.returncode == launcher.SETUP_FAILED, (result.returncode, result.stdout_tail)
     assert "ran" not in result.stdout_tail
     assert "symlink appeared" in result.stderr_tail

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from loom_mcp.sandbox import JobSpec, isolation, policy, run_job, view
+from loom_mcp.sandbox import JobSpec, isolation, launcher, policy, procs, run_job, view
 from loom_mcp.sandbox.isolation import capabilities, plan
 
 PY = sys.executable
@@ -251,7 +251,7 @@ async def test_a_failed_view_fails_the_job_rather_than_show_the_host_tree(
     target = tmp_path / "outside.txt"
     target.write_text("kept")
     res = await run_job(_probe(tmp_path, write={"outside": target}))
-    assert res.returncode == isolation.SETUP_FAILED and res.result is None, res
+    assert res.returncode == launcher.SETUP_FAILED and res.result is None, res
     assert "the job's root could not be built" in res.stderr_tail
     assert "/no-such-source" in res.stderr_tail
     assert target.read_text() == "kept"
@@ -420,7 +420,7 @@ def test_isolation_report_names_every_protection() -> None:
 
 @pytest.mark.anyio
 async def test_many_jobs_leave_no_cgroups_behind(tmp_path: Path) -> None:
-    dirs = [path for _, path in isolation.cgroup_parents().values()]
+    dirs = [path for _, path in procs.cgroup_parents().values()]
 
     def ours() -> set[str]:
         return {str(e) for d in dirs for e in d.glob(f"loom-{os.getpid()}-*")}

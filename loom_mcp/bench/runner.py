@@ -39,7 +39,7 @@ from loom_mcp.judge_models import (
 )
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, isolation, safefs, warm
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, procs, safefs, warm
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.worker.guard import findings as guard_findings
@@ -152,8 +152,8 @@ class IdleWatch:
 
     def cpu_s(self) -> float:
         if self.passes % self.RESCAN_EVERY == 0:
-            self.pids = [self.root, *isolation.descendants(self.root)]
-        return sum(isolation.cpu_seconds(pid) for pid in self.pids)
+            self.pids = [self.root, *procs.descendants(self.root)]
+        return sum(procs.cpu_seconds(pid) for pid in self.pids)
 
     def add(self, cpu: float, wall: float) -> None:
         self.passes += 1
@@ -314,9 +314,9 @@ def arm_interpreter(root: int) -> int | None:
     bench worker. What it forks shares its command line, and what it spawns has another: both
     are left out."""
     worker = b"loom_mcp.worker.bench"
-    for pid in [root, *isolation.descendants(root)]:
+    for pid in [root, *procs.descendants(root)]:
         if worker in _cmdline(pid):
-            parent = isolation.parent_pid(pid)
+            parent = procs.parent_pid(pid)
             if parent is None or worker not in _cmdline(parent):
                 return pid
     return None

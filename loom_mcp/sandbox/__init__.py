@@ -1,4 +1,4 @@
-"""Execution sandbox: every candidate runs in a fresh, limited worker process (DESIGN §6)."""
+"""Execution sandbox: every job runs in its own limited worker process (docs/architecture.md)."""
 
 from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.isolation import isolation_report

@@ -24,7 +24,7 @@ import anyio
 import anyio.to_thread
 
 from loom_mcp.errors import ErrorCode, LoomError, storage_error
-from loom_mcp.sandbox import isolation, policy, safefs, view
+from loom_mcp.sandbox import isolation, launcher, policy, procs, safefs, view
 from loom_mcp.sandbox.env import worker_env
 from loom_mcp.sandbox.job import JobResult, JobSpec, code_cache_env
 
@@ -118,9 +118,9 @@ def _prepare(spec: JobSpec, plan: dict[str, Any], memory_bytes: int
     if spec.request is not None:
         # A reused job directory is the job's: replace the name, never write through a link.
         safefs.write_text(job_dir, request_path.name, json.dumps(spec.request))
-    max_tasks = spec.max_processes + isolation.LAUNCHER_TASKS if plan["limit_by"] == "cgroup" else None
+    max_tasks = spec.max_processes + launcher.LAUNCHER_TASKS if plan["limit_by"] == "cgroup" else None
     memory = memory_bytes if plan.get("memory") == "cgroup" else None
-    cgroups = isolation.create_job_cgroups(max_tasks, memory) if max_tasks or memory else {}
+    cgroups = procs.create_job_cgroups(max_tasks, memory) if max_tasks or memory else {}
     return job_dir, request_path, cgroups
 
 
@@ -216,7 +216,7 @@ class Launched:
     def discard(self) -> None:
         """End an unsupervised launcher (a warm worker nobody will use) and release its fds."""
         if self.process.poll() is None:
-            isolation.kill_tree(self.process.pid, list(self.cgroups.values()))
+            procs.kill_tree(self.process.pid, list(self.cgroups.values()))
         try:
             self.process.wait(_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -226,11 +226,11 @@ class Launched:
 
     def _remove_cgroups(self) -> None:
         for path in set(self.cgroups.values()):
-            isolation.remove_job_cgroup(path)
+            procs.remove_job_cgroup(path)
 
     def oom_kills(self) -> int:
         path = self.cgroups.get("memory")
-        return isolation.cgroup_oom_kills(path) if path else 0
+        return procs.cgroup_oom_kills(path) if path else 0
 
     def _close(self) -> None:
         for fd in (self.result_r, self.meta_r, self.ack_r):
@@ -319,7 +319,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
                                     shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
             except BaseException:
                 for path in set(cgroups.values()):
-                    isolation.remove_job_cgroup(path)
+                    procs.remove_job_cgroup(path)
                 raise
             root_view = {"ops": ops, "cwd": str(job_dir)}
 
@@ -364,7 +364,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
             if fd is not None:
                 os.close(fd)
         for path in set(cgroups.values()):
-            isolation.remove_job_cgroup(path)
+            procs.remove_job_cgroup(path)
         raise LoomError(ErrorCode.INTERNAL, f"cannot start the sandbox launcher: {exc}") from exc
     finally:
         # Only the child keeps the write ends: EOF then means "every writer is gone".
@@ -400,7 +400,7 @@ async def _wait_exit(process: subprocess.Popen) -> None:
 async def _end_tree(launched: Launched) -> None:
     """SIGKILL the launcher's whole tree and reap the launcher."""
     if launched.process.poll() is None:
-        await anyio.to_thread.run_sync(isolation.kill_tree, launched.process.pid,
+        await anyio.to_thread.run_sync(procs.kill_tree, launched.process.pid,
                                        list(launched.cgroups.values()))
     with anyio.move_on_after(_KILL_WAIT_S):
         await _wait_exit(launched.process)
@@ -531,7 +531,7 @@ async def supervise(launched: Launched, on_progress: Progress | None = None) -> 
     rc = process.returncode
     returncode, sig = (None, _signal_name(-rc)) if rc is not None and rc < 0 else (rc, None)
     applied = _parse_meta(bytes(meta_sink.data))
-    if not applied and rc == isolation.SETUP_FAILED:
+    if not applied and rc == launcher.SETUP_FAILED:
         log.warning("sandbox setup failed: %s", err.text()[-500:])
     if len(result_sink.data) > _CHUNK:
         result, result_error = await anyio.to_thread.run_sync(_parse_result, result_sink)

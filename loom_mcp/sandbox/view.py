@@ -1,7 +1,7 @@
 """What a sandboxed job sees of the file system: the allowlist its root is built from.
 
 A job does not get the host's tree, read-only or not: init of its pid namespace builds a root
-of its own on a tmpfs (isolation._build_root) holding only
+of its own on a tmpfs (mounts._build_root) holding only
 
 * the system: /usr, /bin, /sbin, /lib* (symlinks into /usr recreated as symlinks), /sys;
 * the interpreter: the server's prefixes and every sys.path directory (the launcher runs with

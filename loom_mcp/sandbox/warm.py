@@ -10,7 +10,7 @@ took 3.4-4 s, in every process of every step. Two kinds are started ahead of nee
 * **blank** workers for candidate code, the benchmark's arms and its timer (`start`). Their
   root holds nothing but the system, the interpreter and a directory of their own. When the
   job comes, its init (which kept the host's tree; the worker did not) adds the job's own
-  paths (`dispatch_late`, isolation._apply_late): the root the job then runs in is the one a
+  paths (`dispatch_late`, mounts._apply_late): the root the job then runs in is the one a
   fresh process would have had. Candidate code is imported only after that.
 
 Either kind is single-use, sandboxed like any job (its job directory, environment and devices
