@@ -39,54 +39,13 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-if not __package__:  # run as a script: its siblings (standard library only) come from its directory
-    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 if __package__:
-    from loom_mcp.sandbox.mounts import (
-        LINUX_CAPABILITY_VERSION_3,
-        PR_CAP_AMBIENT,
-        PR_CAP_AMBIENT_CLEAR_ALL,
-        PR_CAPBSET_DROP,
-        PR_SET_CHILD_SUBREAPER,
-        PR_SET_DUMPABLE,
-        PR_SET_NO_NEW_PRIVS,
-        PR_SET_PDEATHSIG,
-        _apply_late,
-        _Broken,
-        _build_root,
-        _enter_late_root,
-        _enter_namespaces,
-        _libc,
-        _mount_proc,
-        _prctl,
-        _readonly_fs,
-        _write,
-    )
-    from loom_mcp.sandbox.probe import _probe_main
-    from loom_mcp.sandbox.procs import kill_tree
-else:  # run by the launcher with -I -S: its own directory is on sys.path
-    from mounts import (  # type: ignore[import-not-found,no-redef]
-        LINUX_CAPABILITY_VERSION_3,
-        PR_CAP_AMBIENT,
-        PR_CAP_AMBIENT_CLEAR_ALL,
-        PR_CAPBSET_DROP,
-        PR_SET_CHILD_SUBREAPER,
-        PR_SET_DUMPABLE,
-        PR_SET_NO_NEW_PRIVS,
-        PR_SET_PDEATHSIG,
-        _apply_late,
-        _Broken,
-        _build_root,
-        _enter_late_root,
-        _enter_namespaces,
-        _libc,
-        _mount_proc,
-        _prctl,
-        _readonly_fs,
-        _write,
-    )
-    from probe import _probe_main  # type: ignore[import-not-found,no-redef]
-    from procs import kill_tree  # type: ignore[import-not-found,no-redef]
+    from loom_mcp.sandbox import mounts, probe, procs
+else:  # run as a script with -I -S: its siblings (standard library only) from its directory
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+    import mounts  # type: ignore[import-not-found,no-redef]
+    import probe  # type: ignore[import-not-found,no-redef]
+    import procs  # type: ignore[import-not-found,no-redef]
 
 def _read_line(fd: int, limit: int = 1 << 22) -> bytes:
     """One line from `fd` (b"" at EOF before any newline)."""
@@ -132,16 +91,16 @@ def _drop_capabilities() -> None:
     nothing; no_new_privs keeps setuid and file-capability binaries from granting more.
     Best effort for the parts a non-root launcher may not do (it has nothing to drop then).
     """
-    libc = _libc()
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    libc = mounts._libc()
+    libc.prctl(mounts.PR_CAP_AMBIENT, mounts.PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     for cap in range(64):
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        if libc.prctl(mounts.PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             if ctypes.get_errno() == errno.EINVAL:  # past the kernel's last capability
                 break
-    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    header = (ctypes.c_uint32 * 2)(mounts.LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
     libc.capset(ctypes.byref(header), ctypes.byref(data))
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    mounts._prctl(mounts.PR_SET_NO_NEW_PRIVS, 1)
 
 
 def _exec_worker(argv: list[str]) -> NoReturn:
@@ -191,12 +150,12 @@ def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     view = cfg.get("view")
     if view is not None:
         try:
-            problems = _build_root(view, late=bool(cfg.get("late")))
+            problems = mounts._build_root(view, late=bool(cfg.get("late")))
         except OSError as exc:
             # The server planned a root of its own because the probe built one here: failing
             # now is this job's paths (or someone swapping them), and must not buy the job the
             # host's tree, even read-only.
-            raise _Broken(f"the job's root could not be built: {exc}") from exc
+            raise mounts._Broken(f"the job's root could not be built: {exc}") from exc
         else:
             applied.update(view="allowlist", readonly_fs=True)
             applied["proc"] = not any(p.startswith("/proc:") for p in problems)
@@ -205,13 +164,13 @@ def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     writable = cfg.get("writable")
     if applied["view"] == "none" and writable is not None:
         try:
-            _readonly_fs(writable)
+            mounts._readonly_fs(writable)
             applied.update(view="readonly", readonly_fs=True)
         except OSError as exc:
             errors["readonly_fs"] = str(exc)
     if applied["view"] != "allowlist":
         try:
-            _mount_proc()
+            mounts._mount_proc()
             applied["proc"] = True
         except OSError as exc:
             errors["proc"] = str(exc)
@@ -228,7 +187,7 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
     if init == 0:
         os.close(status_r)
         os.close(alive_w)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        mounts._prctl(mounts.PR_SET_PDEATHSIG, signal.SIGKILL)
         if select.select([alive_r], [], [], 0)[0]:
             os._exit(1)
         # Signals from inside the namespace reach init only where it has a handler: Python's
@@ -236,13 +195,13 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             applied, errors = _setup_fs(cfg)
-        except _Broken as exc:
+        except mounts._Broken as exc:
             os.write(2, f"loom sandbox: setup failed: {exc}\n".encode())
             os._exit(SETUP_FAILED)
         late = bool(cfg.get("late")) and applied["view"] == "allowlist"
         if late:
             # init keeps the host's tree: no one may ptrace it or read /proc/1/root or its fds.
-            _prctl(PR_SET_DUMPABLE, 0)
+            mounts._prctl(mounts.PR_SET_DUMPABLE, 0)
         _write_meta(meta_fd, {"stage": "init", "applied": applied, "errors": errors})
         _close(meta_fd)
         feed_r, feed_w = os.pipe() if ack_fd is not None else (None, None)
@@ -254,7 +213,7 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
                 _close(feed_r, feed_w, ack_fd, entered_r)
             if late:
                 try:
-                    _enter_late_root(cfg["view"]["cwd"])
+                    mounts._enter_late_root(cfg["view"]["cwd"])
                 except OSError as exc:
                     os.write(2, f"loom sandbox: cannot enter the job's root: {exc}\n".encode())
                     os._exit(SETUP_FAILED)
@@ -265,7 +224,7 @@ def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
             _close(feed_r, entered_w)
             if entered_r is not None:
                 # Until the worker has its own copy of the mounts, a flag init clears for a
-                # moment (the root's read-only one, in _apply_late) would be copied with them.
+                # moment (the root's read-only one, in mounts._apply_late) would be copied with them.
                 os.read(entered_r, 1)
                 _close(entered_r)
             _serve_late(worker, late, ack_fd, feed_w, status_w)
@@ -305,7 +264,7 @@ def _serve_late(worker: int, late: bool, ack_fd: int | None, feed_w: int, status
         message = json.loads(line)
         if not late:
             raise OSError(errno.ENOTSUP, "no root of its own to add paths to")
-        problems = _apply_late(message.get("ops") or [])
+        problems = mounts._apply_late(message.get("ops") or [])
     except (OSError, ValueError) as exc:
         _write_meta(ack_fd, {"ok": False, "error": str(exc)})
         os.kill(worker, signal.SIGKILL)
@@ -320,18 +279,18 @@ def _serve_late(worker: int, late: bool, ack_fd: int | None, feed_w: int, status
 
 def _run_with_subreaper(argv: list[str], meta_fd: int | None, worker_fds: list[int]) -> NoReturn:
     me = os.getpid()
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    mounts._prctl(mounts.PR_SET_CHILD_SUBREAPER, 1)
     _close(meta_fd)
     worker = os.fork()
     if worker == 0:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        mounts._prctl(mounts.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != me:
             os._exit(1)
         _exec_worker(argv)
     _close(*worker_fds)
     status = _wait_for(worker)
     # Whatever the worker left behind was re-parented to us: end it before we report.
-    kill_tree(me, include_root=False)
+    procs.kill_tree(me, include_root=False)
     while True:
         try:
             os.waitpid(-1, 0)
@@ -349,7 +308,7 @@ def _fresh_keyring() -> None:
     otherwise inherited, readable and writable by every job. Best effort: no keyctl, no keys."""
     number = SYS_KEYCTL.get(os.uname().machine)
     if number is not None:
-        _libc().syscall(ctypes.c_long(number), ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING),
+        mounts._libc().syscall(ctypes.c_long(number), ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING),
                         ctypes.c_char_p(None))
 
 
@@ -359,7 +318,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     parent = cfg.get("parent_pid")
     if parent is not None:
         # Die with the server: a crashed server must not leave jobs holding the GPU.
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        mounts._prctl(mounts.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(SETUP_FAILED)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -377,7 +336,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
             joined[controller] = path
             continue
         try:
-            _write(os.path.join(path, "cgroup.procs"), "0")
+            mounts._write(os.path.join(path, "cgroup.procs"), "0")
             joined[controller] = path
         except OSError as exc:
             errors[f"cgroup {controller}"] = str(exc)
@@ -397,8 +356,8 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     features: list[str] = cfg.get("unshare", [])
     if features:
         try:
-            problems = _enter_namespaces(features)
-        except _Broken as exc:
+            problems = mounts._enter_namespaces(features)
+        except mounts._Broken as exc:
             os.write(2, f"loom sandbox: setup failed: {exc}\n".encode())
             os._exit(SETUP_FAILED)
         except OSError as exc:
@@ -426,7 +385,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
 
 def _main() -> NoReturn:
     if sys.argv[1:2] == ["--probe"]:
-        _probe_main(json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
+        probe._probe_main(json.loads(sys.argv[2]) if len(sys.argv) > 2 else None)
     if sys.argv[1:2] == ["--config-fd"] and len(sys.argv) > 3:
         with os.fdopen(int(sys.argv[2]), "rb") as config:  # closed: init and the worker never see it
             cfg = json.loads(config.read())

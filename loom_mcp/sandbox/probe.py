@@ -15,29 +15,9 @@ import sys
 from typing import Any, NoReturn
 
 if __package__:
-    from loom_mcp.sandbox.mounts import (
-        _OLD,
-        _STAGE,
-        CLONE_NEWUSER,
-        _apply_late,
-        _build_root,
-        _enter_late_root,
-        _enter_namespaces,
-        _libc,
-        _mount_proc,
-    )
+    from loom_mcp.sandbox import mounts
 else:  # run by the launcher with -I -S: its own directory is on sys.path
-    from mounts import (  # type: ignore[import-not-found,no-redef]
-        _OLD,
-        _STAGE,
-        CLONE_NEWUSER,
-        _apply_late,
-        _build_root,
-        _enter_late_root,
-        _enter_namespaces,
-        _libc,
-        _mount_proc,
-    )
+    import mounts  # type: ignore[import-not-found,no-redef]
 
 # ----------------------------------------------------------------------------- probe
 
@@ -71,14 +51,14 @@ def _probe_one(features: list[str]) -> dict[str, Any]:
         os.close(r)
         out: dict[str, Any] = {"ok": False}
         try:
-            problems = _enter_namespaces(features)
+            problems = mounts._enter_namespaces(features)
             if "pid" in features:
                 # Test from inside the new pid namespace, as init will run: once this first
                 # child exits the namespace is dead and nothing more can be forked into it.
                 init = os.fork()
                 if init == 0:
                     try:
-                        _mount_proc()
+                        mounts._mount_proc()
                         if os.readlink("/proc/self") != "1":
                             os._exit(2)
                         os._exit(10 if _nproc_bites() else 11)
@@ -158,7 +138,7 @@ def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
     def nests_user_namespace() -> bool:
         pid = os.fork()
         if pid == 0:
-            os._exit(0 if _libc().unshare(CLONE_NEWUSER) == 0 else 1)
+            os._exit(0 if mounts._libc().unshare(mounts.CLONE_NEWUSER) == 0 else 1)
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
     return {
@@ -187,11 +167,11 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     if pid == 0:
         os.close(r)
         try:
-            _enter_namespaces(features)
+            mounts._enter_namespaces(features)
             init = os.fork()
             if init == 0:
                 try:
-                    problems = _build_root(cfg["view"])
+                    problems = mounts._build_root(cfg["view"])
                     out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
                     # The two kernel-knob checks are reported, not required: a root of its own
                     # is still far better than the host's tree where they fail.
@@ -222,30 +202,30 @@ def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     if pid == 0:
         os.close(r)
         try:
-            _enter_namespaces(features)
+            mounts._enter_namespaces(features)
             init = os.fork()
             if init == 0:
                 out: dict[str, Any] = {"ok": False}
                 try:
-                    _build_root(cfg["view"], late=True)
+                    mounts._build_root(cfg["view"], late=True)
                     entered_r, entered_w = os.pipe()
                     added_r, added_w = os.pipe()
                     worker = os.fork()
                     if worker == 0:
                         os.close(entered_r)
                         os.close(added_w)
-                        _enter_late_root(cfg["view"]["cwd"])
+                        mounts._enter_late_root(cfg["view"]["cwd"])
                         os.close(entered_w)
                         os.read(added_r, 1)
                         target = cfg["late"]["path"] + "/file"
                         checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
                                   "added_is_readonly": _stays_readonly(target),
-                                  "host_tree_gone": not os.path.lexists(_OLD) and not os.path.lexists(_STAGE)}
+                                  "host_tree_gone": not os.path.lexists(mounts._OLD) and not os.path.lexists(mounts._STAGE)}
                         os.write(w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
                         os._exit(0)
                     os.close(entered_w)
                     os.read(entered_r, 1)
-                    _apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
+                    mounts._apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
                                   "mode": "ro", "optional": False}])
                     os.close(added_w)
                     os.waitpid(worker, 0)

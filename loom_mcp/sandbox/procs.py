@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 if __package__:
-    from loom_mcp.sandbox.mounts import _write
+    from loom_mcp.sandbox import mounts
 else:  # run by the launcher with -I -S: its own directory is on sys.path
-    from mounts import _write  # type: ignore[import-not-found,no-redef]
+    import mounts  # type: ignore[import-not-found,no-redef]
 
 # ----------------------------------------------------------------------------- /proc helpers
 
@@ -194,7 +194,7 @@ def _try_controller(version: str, parent: Path, controller: str) -> bool:
         kid = os.fork()
         if kid == 0:
             try:
-                _write(str(probe / "cgroup.procs"), "0")
+                mounts._write(str(probe / "cgroup.procs"), "0")
                 os._exit(0)
             except BaseException:
                 os._exit(1)
