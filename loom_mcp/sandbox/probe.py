@@ -12,6 +12,7 @@ import os
 import resource
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 if __package__:
@@ -82,13 +83,14 @@ def _probe_one(features: list[str]) -> dict[str, Any]:
     return _probe_outcome(r, pid)
 
 
-def _probe_outcome(r: int, pid: int) -> dict[str, Any]:
+def _probe_outcome(r: int, pid: int | None) -> dict[str, Any]:
     """What a probe child wrote on its pipe, once it has exited."""
     chunks = []
     while chunk := os.read(r, 4096):
         chunks.append(chunk)
     os.close(r)
-    os.waitpid(pid, 0)
+    if pid is not None:
+        os.waitpid(pid, 0)
     try:
         return json.loads(b"".join(chunks) or b"{}") or {"ok": False, "error": "probe died"}
     except ValueError:
@@ -160,8 +162,9 @@ def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    """In a throw-away child: build a job's root in init of a new pid namespace and check it."""
+def _in_probe_init(features: list[str], body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """In a throw-away child: enter `features`, then run `body` in init of the new pid namespace
+    (a job's root is built there); what it returns comes back over a pipe."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -171,17 +174,7 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
             init = os.fork()
             if init == 0:
                 try:
-                    problems = mounts._build_root(cfg["view"])
-                    out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
-                    # The two kernel-knob checks are reported, not required: a root of its own
-                    # is still far better than the host's tree where they fail.
-                    out["ok"] = all(v for k, v in out["checks"].items()
-                                    if k not in ("proc_sys_readonly", "no_nested_user_namespace"))
-                    if problems:
-                        out["problems"] = problems
-                    if not out["ok"]:
-                        failed = [k for k, v in out["checks"].items() if not v]
-                        out["error"] = "the root view did not hold: " + ", ".join(failed)
+                    out = body()
                 except BaseException as exc:
                     out = {"ok": False, "error": str(exc)}
                 os.write(w, json.dumps(out).encode())
@@ -194,52 +187,58 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
     return _probe_outcome(r, pid)
 
 
+def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build a job's root in init of a new pid namespace and check it."""
+
+    def body() -> dict[str, Any]:
+        problems = mounts._build_root(cfg["view"])
+        out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
+        # The two kernel-knob checks are reported, not required: a root of its own is still far
+        # better than the host's tree where they fail.
+        out["ok"] = all(v for k, v in out["checks"].items()
+                        if k not in ("proc_sys_readonly", "no_nested_user_namespace"))
+        if problems:
+            out["problems"] = problems
+        if not out["ok"]:
+            failed = [k for k, v in out["checks"].items() if not v]
+            out["error"] = "the root view did not hold: " + ", ".join(failed)
+        return out
+
+    return _in_probe_init(features, body)
+
+
 def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    """In a throw-away child: a worker in a late root (as a blank worker), then a read-only bind
-    added by init; does the worker see it, read-only, and nothing of init's host tree?"""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            mounts._enter_namespaces(features)
-            init = os.fork()
-            if init == 0:
-                out: dict[str, Any] = {"ok": False}
-                try:
-                    mounts._build_root(cfg["view"], late=True)
-                    entered_r, entered_w = os.pipe()
-                    added_r, added_w = os.pipe()
-                    worker = os.fork()
-                    if worker == 0:
-                        os.close(entered_r)
-                        os.close(added_w)
-                        mounts._enter_late_root(cfg["view"]["cwd"])
-                        os.close(entered_w)
-                        os.read(added_r, 1)
-                        target = cfg["late"]["path"] + "/file"
-                        checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
-                                  "added_is_readonly": _stays_readonly(target),
-                                  "host_tree_gone": not os.path.lexists(mounts._OLD) and not os.path.lexists(mounts._STAGE)}
-                        os.write(w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
-                        os._exit(0)
-                    os.close(entered_w)
-                    os.read(entered_r, 1)
-                    mounts._apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
-                                  "mode": "ro", "optional": False}])
-                    os.close(added_w)
-                    os.waitpid(worker, 0)
-                    os._exit(0)
-                except BaseException as exc:
-                    out["error"] = str(exc)
-                os.write(w, json.dumps(out).encode())
-                os._exit(0)
-            os.waitpid(init, 0)
-        except BaseException as exc:
-            os.write(w, json.dumps({"ok": False, "error": str(exc)}).encode())
-        os._exit(0)
-    os.close(w)
-    return _probe_outcome(r, pid)
+    """A worker in a late root (as a blank worker), then a read-only bind added by init: does
+    the worker see it, read-only, and nothing of init's host tree?"""
+
+    def body() -> dict[str, Any]:
+        mounts._build_root(cfg["view"], late=True)
+        entered_r, entered_w = os.pipe()
+        added_r, added_w = os.pipe()
+        report_r, report_w = os.pipe()
+        worker = os.fork()
+        if worker == 0:
+            for fd in (entered_r, added_w, report_r):
+                os.close(fd)
+            mounts._enter_late_root(cfg["view"]["cwd"])
+            os.close(entered_w)
+            os.read(added_r, 1)
+            target = cfg["late"]["path"] + "/file"
+            checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
+                      "added_is_readonly": _stays_readonly(target),
+                      "host_tree_gone": not any(os.path.lexists(p) for p in (mounts._OLD, mounts._STAGE))}
+            os.write(report_w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
+            os._exit(0)
+        for fd in (entered_w, added_r, report_w):
+            os.close(fd)
+        os.read(entered_r, 1)
+        mounts._apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
+                             "mode": "ro", "optional": False}])
+        os.close(added_w)
+        os.waitpid(worker, 0)
+        return _probe_outcome(report_r, None)
+
+    return _in_probe_init(features, body)
 
 
 def _stays_readonly(path: str) -> bool:
