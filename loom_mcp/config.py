@@ -61,8 +61,10 @@ class LoomConfig(BaseModel):
     job_timeout_s: float = Field(default=900.0, gt=0)
     warm_workers: bool = Field(
         default=True,
-        description="Keep a trusted worker (the task's reference and input preparation) started "
-        "ahead of the next call; each idle one holds an interpreter with torch imported",
+        description="Keep workers started ahead of the next call: trusted ones (the task's "
+        "reference, input preparation) and, on a GPU host, blank ones for candidates and the "
+        "benchmark's processes (up to 3 + 6); each idle one holds an interpreter with torch "
+        "imported (a few hundred MB of host memory)",
     )
     lease_timeout_s: float = Field(default=900.0, gt=0)
     # Sandbox limits per job (loom_mcp/sandbox/policy.py hands them to every JobSpec).
