@@ -16,7 +16,7 @@ async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | 
     from loom_mcp import judge
     from loom_mcp.gate import decide
     from loom_mcp.judge_models import CompileEvidence
-    from loom_mcp.server import open_services
+    from loom_mcp.runtime import open_services
 
     services = open_services(config)
     validation, evidence, _ = await judge.run_validation(

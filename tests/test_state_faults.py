@@ -26,8 +26,9 @@ from mcp import Client
 from loom_mcp.cli import token_problem
 from loom_mcp.config import load_config
 from loom_mcp.errors import ErrorCode, LoomError, storage_error
+from loom_mcp.runtime import CallScope, open_services, run_recorded
 from loom_mcp.sandbox.env import worker_env
-from loom_mcp.server import CallScope, build_server, open_services, run_recorded
+from loom_mcp.server import build_server
 from loom_mcp.store import Ledger
 
 from .conftest import make_git_repo

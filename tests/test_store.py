@@ -94,7 +94,7 @@ async def test_a_call_that_fails_holding_a_gpu_is_charged_its_device_seconds(tmp
     from loom_mcp.errors import ErrorCode
     from loom_mcp.judge import Leased, Target
     from loom_mcp.models import DeviceInfo
-    from loom_mcp.server import open_services, run_recorded
+    from loom_mcp.runtime import open_services, run_recorded
 
     config = load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)})
     services = open_services(config)

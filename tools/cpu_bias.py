@@ -62,7 +62,7 @@ async def main() -> int:
     from loom_mcp.config import load_config
     from loom_mcp.gate import decide
     from loom_mcp.judge_models import CompileEvidence
-    from loom_mcp.server import open_services
+    from loom_mcp.runtime import open_services
 
     work = Path(tempfile.mkdtemp(prefix="loom-cpu-bias-"))
     (work / "home").mkdir()

@@ -259,7 +259,7 @@ def write_outputs(meta: dict, rows: list[dict], out: Path, markdown: Path | None
 async def run_table(args: argparse.Namespace) -> int:
     from loom_mcp.config import load_config
     from loom_mcp.judge import pick_target
-    from loom_mcp.server import open_services
+    from loom_mcp.runtime import open_services
     from loom_mcp.validate.taskfile import assigned_globals, parse_task_globals
 
     task_globals = parse_task_globals(args.set)

@@ -17,7 +17,7 @@ async def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     from loom_mcp import judge
     from loom_mcp.config import load_config
-    from loom_mcp.server import open_services
+    from loom_mcp.runtime import open_services
 
     task, cand, shapes = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3:] or None
     home = Path(tempfile.mkdtemp())
