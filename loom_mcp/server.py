@@ -25,7 +25,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from loom_mcp import __version__
-from loom_mcp.bench.command_models import Arm, CommandBenchmarkResult
+from loom_mcp.bench.command_models import CommandBenchmarkResult
 from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
 from loom_mcp.errors import ErrorCode, LoomError
@@ -453,62 +453,14 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                      "revision": revision, "repo": repo}
 
         async def body(scope: CallScope) -> CommandBenchmarkResult:
-            from loom_mcp import judge
-            from loom_mcp.bench.command import benchmark_commands
-            from loom_mcp.bench.revisions import (
-                revision_checkouts,
-                revisions_root,
-                uncommitted_finding,
-            )
-            from loom_mcp.store import new_run_id
+            from loom_mcp.command_benchmark import run_command_benchmark
 
-            if baseline_revision is None and (revision is not None or repo is not None):
-                raise LoomError(ErrorCode.BAD_INPUT, "revision and repo need baseline_revision")
-            if baseline_revision is None and baseline_command is None:
-                raise LoomError(
-                    ErrorCode.BAD_INPUT,
-                    "give baseline_command, or baseline_revision to run `command` at two revisions",
-                )
-            cwd_path = config.check_allowed(Path(cwd), "cwd") if cwd else None
-            run_id = new_run_id("benchmark")
-            job_dir = config.jobs_dir / run_id
-            target = await judge.pick_target(config)
-
-            async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
-                async with judge.Leased(config, target, progress_of(ctx)):
-                    result = await benchmark_commands(
-                        baseline=baseline_command or command, candidate=command, metrics=metrics,
-                        runs=runs, job_dir=job_dir, timeout_s=config.job_timeout_s, cwd=where,
-                        env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
-                        gate=config.gate, progress=progress_of(ctx))
-                return result
-
-            if baseline_revision is None:
-                result = await measure(cwd_path)
-            else:
-                repo_path = config.check_allowed(Path(repo), "repo") if repo else cwd_path
-                if repo_path is None and campaign_id is not None:
-                    campaign = services.ledger.campaign(campaign_id)
-                    repo_path = Path(campaign["repo"]) if campaign else None
-                if repo_path is None:
-                    raise LoomError(ErrorCode.BAD_INPUT,
-                                    "revisions need repo (or cwd, or a campaign) to name the repository")
-                wanted: dict[Arm, str] = {"baseline": baseline_revision, "candidate": revision or "HEAD"}
-                root = revisions_root(config.home, run_id)
-                async with revision_checkouts(repo_path, wanted, root, cwd_path) as checkouts:
-                    result = await measure(checkouts.cwds)
-                result.revisions = checkouts.commits
-                result.findings += await anyio.to_thread.run_sync(
-                    uncommitted_finding, repo_path, checkouts.commits["candidate"])
-            result.benchmark_id = run_id
-            from loom_mcp.sandbox import safefs
-
-            samples_path = Path(result.samples_file)  # in the run's job directory: no link followed
-            samples = orjson.loads(safefs.read_bytes(samples_path.parent, samples_path.name, 256 << 20))
-            judge.store_record(services.ledger, services.artifacts, run_id, "benchmark",
-                               {"mode": "command", "samples": samples, "result": result.model_dump()},
-                               result, campaign_id)
-            return result
+            return await run_command_benchmark(
+                config, services.ledger, services.artifacts, command=command,
+                baseline_command=baseline_command, metrics=metrics, runs=runs, parser=parser,
+                metrics_file=metrics_file, cwd=cwd, warmup=warmup,
+                baseline_revision=baseline_revision, revision=revision, repo=repo,
+                campaign_id=campaign_id, progress=progress_of(ctx))
 
         return await run_recorded(services, "benchmark_command", arguments, body, campaign_id)
 
