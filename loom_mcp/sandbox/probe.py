@@ -97,19 +97,21 @@ def _probe_outcome(r: int, pid: int | None) -> dict[str, Any]:
         return {"ok": False, "error": "probe died"}
 
 
+def writes(path: str) -> bool:
+    """Can this process write `path` (a probe's scratch file: it is overwritten)?"""
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        return True
+    except OSError:
+        return False
+
+
 def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
     """In init, inside a freshly built root: does it hide and show what it should?"""
 
     def hidden(path: str) -> bool:
         return not os.path.lexists(path)
-
-    def writes(path: str) -> bool:
-        try:
-            with open(path, "w") as f:
-                f.write("x")
-            return True
-        except OSError:
-            return False
 
     def reads(path: str) -> bool:
         try:
@@ -225,7 +227,7 @@ def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
             os.read(added_r, 1)
             target = cfg["late"]["path"] + "/file"
             checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
-                      "added_is_readonly": _stays_readonly(target),
+                      "added_is_readonly": not writes(target),
                       "host_tree_gone": not any(os.path.lexists(p) for p in (mounts._OLD, mounts._STAGE))}
             os.write(report_w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
             os._exit(0)
@@ -239,15 +241,6 @@ def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
         return _probe_outcome(report_r, None)
 
     return _in_probe_init(features, body)
-
-
-def _stays_readonly(path: str) -> bool:
-    try:
-        with open(path, "a") as f:
-            f.write("x")
-        return False
-    except OSError:
-        return True
 
 
 def _probe_main(view_cfg: dict[str, Any] | None) -> NoReturn:

@@ -248,6 +248,16 @@ class Launched:
                     pass
 
 
+def job_root(spec: JobSpec, job_dir: Path, writable: list[Path]) -> list[dict[str, Any]]:
+    """The entries of `spec`'s own root (view.job_view), with `job_dir` as its directory: one
+    place for a fresh job and a blank worker given the job (warm.dispatch_late), so the two
+    roots never differ in more than the job's paths."""
+    limits = policy.current()
+    disk = limits.disk_bytes if spec.max_disk_bytes is None else spec.max_disk_bytes
+    return view.job_view(job_dir=job_dir, readable=spec.readable, writable=writable,
+                         shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
+
+
 def late_binds_possible(spec: JobSpec) -> bool:
     """Can `spec` run in a pre-started worker whose paths are added later? Only with a root of
     its own (the allowlist view) inside a pid namespace, whose init adds them."""
@@ -315,8 +325,7 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
             env.update(code_cache_env(job_dir / "triton-cache"))
         if plan.get("view"):
             try:
-                ops = view.job_view(job_dir=job_dir, readable=spec.readable, writable=extra,
-                                    shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
+                ops = job_root(spec, job_dir, extra)
             except BaseException:
                 for path in set(cgroups.values()):
                     procs.remove_job_cgroup(path)

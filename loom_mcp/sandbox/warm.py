@@ -38,7 +38,14 @@ import anyio.to_thread
 from loom_mcp.sandbox import env as env_rules
 from loom_mcp.sandbox import isolation, policy, safefs, view
 from loom_mcp.sandbox.job import JobResult, JobSpec
-from loom_mcp.sandbox.runner import Launched, Progress, late_binds_possible, spawn, supervise
+from loom_mcp.sandbox.runner import (
+    Launched,
+    Progress,
+    job_root,
+    late_binds_possible,
+    spawn,
+    supervise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,14 +241,10 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
     if os.path.lexists(alias):
         return f"{alias} exists already"
     writable = [Path(p).resolve() for p in spec.writable]
-    limits = policy.current()
-    disk = limits.disk_bytes if spec.max_disk_bytes is None else spec.max_disk_bytes
     try:
         for path in writable:
             path.mkdir(parents=True, exist_ok=True)
-        full = view.job_view(job_dir=worker.job_dir, readable=spec.readable, writable=writable,
-                             shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
-        ops = view.late_entries(worker.view_ops, full)
+        ops = view.late_entries(worker.view_ops, job_root(spec, worker.job_dir, writable))
         if alias != worker.job_dir:
             ops = view.sort_entries([*ops, {"op": "bind", "path": str(alias),
                                             "src": str(worker.job_dir), "mode": "rw", "optional": False}])
