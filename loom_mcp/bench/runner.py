@@ -1,9 +1,9 @@
 """benchmark: interleaved A/B timing of a candidate against a baseline, judged in the server.
 
 The task's inputs are prepared by the trusted reference worker; two warm sandboxed arms
-(baseline, candidate) connect back over a Unix socket and time one sample per request, in
-ABBA order. The server keeps every sample, samples clocks between pairs, compares
-output samples taken at secret positions, applies the stopping rule, and computes the statistics.
+(baseline, candidate) connect back over a Unix socket and are timed by a trusted timer process
+in ABBA order (bench/pairs.py). This module starts and ends those processes, block by block,
+and turns their samples into the evidence (bench/stats.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -24,333 +22,39 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
+from loom_mcp.bench.arm_procs import IdleWatch, busy_finding, pin_to_cpu
+from loom_mcp.bench.arms import ArmConnection, ArmError, farewell
+from loom_mcp.bench.blocks import block_shapes, merge_block, unique_findings
+from loom_mcp.bench.output_check import samples_agree, shape_disagrees
+from loom_mcp.bench.pairs import run_pairs
+from loom_mcp.bench.proof import declared_kernels
 from loom_mcp.bench.stats import analyze_shapes, more_blocks_needed
-from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.judge_models import (
-    BenchmarkEvidence,
-    Finding,
-    GateConfig,
-    RatioCI,
-    ShapeSamples,
-    TimerKind,
+from loom_mcp.bench.trusted import (
+    OWN_TIMING_ALLOWANCE,
+    flag_disagreement,
+    subtract_overhead,
+    trusted_geomean_of,
+    trusted_pairs,
 )
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples, TimerKind
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
-from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, procs, safefs, warm
+from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, safefs, warm
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.worker.guard import findings as guard_findings
 
+# Imported from here by tests; they live in the modules named above.
+__all__ = [
+    "OWN_TIMING_ALLOWANCE", "ArmConnection", "ArmError", "benchmark_candidate", "block_shapes",
+    "farewell", "flag_disagreement", "merge_block", "pin_to_cpu", "samples_agree",
+    "shape_disagrees", "subtract_overhead", "trusted_pairs", "unique_findings",
+]
+
 log = logging.getLogger("loom_mcp.bench")
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
-SAMPLE_RTOL = 2e-2  # see samples_disagreeing
-SAMPLE_SCALE_TOL = 1e-2
-
-
-class ArmConnection:
-    def __init__(self, stream: SocketStream, role: str) -> None:
-        self.stream = stream
-        self.reader = BufferedByteReceiveStream(stream)
-        self.role = role
-
-    async def ask(self, command: dict, timeout_s: float) -> dict:
-        await self.send(command)
-        return await self.receive(timeout_s)
-
-    async def send(self, command: dict) -> None:
-        try:
-            await self.stream.send((json.dumps(command) + "\n").encode())
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise ArmError(self.role, f"its connection is gone ({type(exc).__name__})") from exc
-
-    async def receive(self, timeout_s: float) -> dict:
-        """The next reply. What the other end sends is not trusted (the arms and the proof process
-        run candidate code): a connection that ends, or a reply that is not a JSON object, is
-        that process's failure (ArmError), never the server's."""
-        with anyio.fail_after(timeout_s):
-            try:
-                line = await self.reader.receive_until(b"\n", max_bytes=1 << 20)
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                    anyio.ClosedResourceError, anyio.DelimiterNotFound) as exc:
-                raise ArmError(self.role, f"its connection ended ({type(exc).__name__})") from exc
-        try:
-            reply = json.loads(line)
-        except ValueError as exc:
-            raise ArmError(self.role, "it sent a reply that is not JSON") from exc
-        if not isinstance(reply, dict):
-            raise ArmError(self.role, "it sent a reply that is not an object")
-        if reply.get("error"):
-            # The timer relays its arms' failures with the arm's role.
-            raise ArmError(str(reply.get("arm") or self.role), reply["error"])
-        return reply
-
-
-async def farewell(conn: ArmConnection) -> dict:
-    """Send quit and read its reply, past any reply a failed timing left unread (the proof
-    process answers trace_start and load only when asked for them after the timing)."""
-    try:
-        await conn.send({"op": "quit"})
-    except Exception:
-        return {}
-    for _ in range(4):
-        try:
-            reply = await conn.receive(5)
-        except ArmError:
-            continue
-        except Exception:
-            return {}
-        if reply.get("bye"):
-            return reply
-    return {}
-
-
-class ArmError(Exception):
-    def __init__(self, role: str, message: str) -> None:
-        super().__init__(f"{role}: {message}")
-        self.role = role
-
-
-def declared_kernels(source: str) -> set[str]:
-    """Kernel names a candidate defines itself: @triton.jit functions and __global__ functions."""
-    import re
-
-    names = set(re.findall(r"@triton\.(?:jit|autotune|heuristics)[\s\S]*?def\s+(\w+)", source))
-    names |= set(re.findall(r"__global__\s+void\s+(\w+)", source))
-    return names
-
-
-EMPTY_CALLS = 2  # empty brackets per batch, run by the baseline arm: the timer's own cost
-MIN_CORRECTED_S = 1e-8
-
-
-def subtract_overhead(times: list[float], overhead: float) -> list[float]:
-    """Call times less the bracket's own cost, floored so a noisy short call stays positive."""
-    return [max(t - overhead, MIN_CORRECTED_S) for t in times]
-
-
-class IdleWatch:
-    """CPU time the candidate's processes burn while the baseline is being timed.
-
-    An idle arm blocks on its socket. One that keeps processes busy meanwhile (a red-team
-    candidate's DataLoader workers, forked by torch so the audit hook let them be) slows the
-    baseline down and reached a CI low above 1.05 with no faster code. Read from /proc, outside
-    the arm: user + system time of its launcher's tree, reaped children included."""
-
-    BUSY_FRACTION = 0.25  # of the baseline's pass time
-    BUSY_MIN_S = 0.05  # a few clock ticks: /proc counts in 10 ms steps
-    RESCAN_EVERY = 10  # passes between scans for new processes
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.pids: list[int] = []
-        self.passes = 0
-        self.cpu = 0.0
-        self.wall = 0.0
-
-    def cpu_s(self) -> float:
-        if self.passes % self.RESCAN_EVERY == 0:
-            self.pids = [self.root, *procs.descendants(self.root)]
-        return sum(procs.cpu_seconds(pid) for pid in self.pids)
-
-    def add(self, cpu: float, wall: float) -> None:
-        self.passes += 1
-        self.cpu += max(cpu, 0.0)
-        self.wall += wall
-
-    def busy(self) -> bool:
-        return self.exceeds(self.cpu, self.wall)
-
-    @classmethod
-    def exceeds(cls, cpu: float, wall: float) -> bool:
-        return cpu > max(cls.BUSY_MIN_S, cls.BUSY_FRACTION * wall)
-
-
-def busy_finding(shape: str, cpu: float, wall: float) -> Finding:
-    return Finding(
-        check="benchmark.busy_while_idle", severity="error",
-        message=f"{shape}: the candidate's processes used {cpu:.2f} s of CPU while "
-                f"the baseline was timed ({wall:.2f} s of its passes): work aimed "
-                "at the other arm")
-
-
-# How far the arms' own timings may claim more speed than the trusted timer's brackets of the
-# same calls allow (beyond the brackets' CI). The brackets carry a context switch each way; on
-# the H200 they read identical arms up to 7 % apart in one benchmark, so less would reject
-# honest work. A forged clock gains at most this much.
-OWN_TIMING_ALLOWANCE = 0.10
-
-
-def trusted_geomean_of(shape_meta, samples, gate: GateConfig) -> RatioCI | None:
-    """The geomean speedup by the trusted timer's brackets alone, where the arms timed
-    themselves as well (GPU); None where the brackets are the samples already (CPU)."""
-    trusted = [ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["trusted_a"],
-                            candidate_s=samples[m["name"]]["trusted_b"])
-               for m in shape_meta if samples[m["name"]].get("trusted_a")]
-    if not trusted:
-        return None
-    return analyze_shapes(trusted, gate).geomean
-
-
-def trusted_pairs(baseline: list[float], candidate: list[float], baseline_late: list[bool],
-                  candidate_late: list[bool]) -> list[tuple[float, float]]:
-    """The bracket pairs the trusted side is computed from. A late bracket (the arm's work was
-    done before the timer queued its end event, so it also timed launch latency) drops its
-    pair. An arm late on purpose (replying only once its work is done) must not empty the
-    trusted side: when fewer than half the pairs are on time, every pair counts, and a late
-    bracket only makes its own arm look slower."""
-    both = list(zip(baseline, candidate, strict=True))
-    late = [a or b for a, b in zip(baseline_late, candidate_late, strict=True)]
-    kept = [pair for pair, was_late in zip(both, late, strict=True) if not was_late]
-    return kept if len(kept) * 2 >= len(both) else both
-
-
-def flag_disagreement(trusted: RatioCI, own: RatioCI, findings: list[Finding]) -> None:
-    """An error finding (the gate rejects) when the arms' own clocks claim a speedup the trusted
-    timer's brackets cannot support: a clock rewritten inside the candidate's process."""
-    if own.estimate > trusted.ci_high * (1 + OWN_TIMING_ALLOWANCE):
-        findings.append(Finding(
-            check="benchmark.timing_disagreement", severity="error",
-            message=f"the arms' own clocks give {own.estimate:.3f}x but the trusted timer's "
-                    f"brackets of the same calls give {trusted.estimate:.3f}x "
-                    f"[{trusted.ci_low:.3f}, {trusted.ci_high:.3f}]: more than "
-                    f"{OWN_TIMING_ALLOWANCE:.0%} apart (a clock changed inside the candidate's "
-                    "process?)"))
-
-
-def samples_disagreeing(candidate: list[float] | None, baseline: list[float] | None) -> int | None:
-    """How many of the candidate's sampled outputs differ from the baseline's; None when the two
-    cannot be compared at all (missing, or not the same positions).
-
-    Both arms timed the same freshly perturbed inputs (every element scaled by U(0.9, 1.1)),
-    so an output computed from stale inputs or taken from a cache is off by a few percent at
-    most positions. An honest kernel differs by rounding only: one bf16 step is 0.4-0.8 %, and
-    validation has already held it to the task's tolerance. The bound here is loose for
-    rounding and tight for stale data: 2 % of the value plus 1 % of the samples' median size
-    (so near-zero outputs compare on the output's scale, not their own).
-    """
-    if candidate is None or baseline is None or len(candidate) != len(baseline):
-        return None
-    finite = [abs(y) for y in baseline if math.isfinite(y)]
-    scale = statistics.median(finite) if finite else 0.0
-    off = 0
-    for x, y in zip(candidate, baseline, strict=True):
-        if math.isnan(x) and math.isnan(y):
-            continue
-        if not (math.isfinite(x) and math.isfinite(y)):
-            off += x != y
-        elif abs(x - y) > SAMPLE_RTOL * abs(y) + SAMPLE_SCALE_TOL * scale + 1e-12:
-            off += 1
-    return off
-
-
-def call_agrees(off: int | None, probes: int) -> bool:
-    """One call's samples agree unless more than a quarter of them differ, so one unlucky
-    element cannot reject a kernel; `shape_disagrees` looks at all of a shape's calls."""
-    return off is not None and off * 4 <= probes
-
-
-def samples_agree(candidate: list[float] | None, baseline: list[float] | None) -> bool:
-    return call_agrees(samples_disagreeing(candidate, baseline), len(baseline or []))
-
-
-def shape_disagrees(off: int, total: int) -> bool:
-    """Over every timed call of a shape: more than a tenth of the sampled outputs differ.
-
-    A candidate that skips a tenth of its work only while timed stays under a quarter in most
-    single calls, but not in the sum of hundreds. An honest kernel differing at a tenth of the
-    positions would already fail some single calls over that many (the chance that 32 probes
-    at 10 % show more than 8 is 0.4 % per call), so this flags nothing the per-call rule spares.
-    """
-    return total > 0 and off * 10 > total
-
-
-def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, Any]],
-                block: int) -> None:
-    """Adds one block's samples to the benchmark's, pooled per shape with every pair labelled
-    by its block, so the statistics can take one ratio per block.
-
-    Each block's samples keep the bracket cost its own empty calls measured subtracted: one
-    cost for all blocks (their median) floored a forged-clock candidate's few-microsecond calls
-    to nothing in the blocks whose round trip was quicker (26x). The median of the blocks' costs
-    is what the evidence reports."""
-    for name, record in timed.items():
-        into = samples.setdefault(name, {"a": [], "b": [], "throttled": [], "blocks": [],
-                                         "overheads": [], "stops": [], "seconds": 0.0})
-        into["a"].extend(record["a"])
-        into["b"].extend(record["b"])
-        into["throttled"].extend(record["throttled"])
-        into["blocks"].extend([block] * len(record["a"]))
-        into["overheads"].append(record.get("overhead", 0.0))
-        into["overhead"] = statistics.median(into["overheads"])
-        into["stops"].append(record.get("stop"))
-        into["stop"] = "time_cap" if "time_cap" in into["stops"] else record.get("stop")
-        into["seconds"] += record.get("seconds") or 0.0
-
-
-def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> list[ShapeSamples]:
-    """The merged blocks' samples as the statistics take them (CPU wall clock)."""
-    return [ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
-                         candidate_s=samples[m["name"]]["b"],
-                         throttled=samples[m["name"]]["throttled"], blocks=samples[m["name"]]["blocks"],
-                         flops=m["flops"], bytes_moved=m["bytes_moved"],
-                         stop_reason=samples[m["name"]].get("stop"),
-                         sampling_s=samples[m["name"]].get("seconds"))
-            for m in shape_meta if m["name"] in samples]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def arm_interpreter(root: int) -> int | None:
-    """The arm's own interpreter under its sandbox launcher: the topmost process running the
-    bench worker. What it forks shares its command line, and what it spawns has another: both
-    are left out."""
-    worker = b"loom_mcp.worker.bench"
-    for pid in [root, *procs.descendants(root)]:
-        if worker in _cmdline(pid):
-            parent = procs.parent_pid(pid)
-            if parent is None or worker not in _cmdline(parent):
-                return pid
-    return None
-
-
-def pin_to_cpu(roots: list[int], cpu: int) -> int:
-    """Pins every thread of the arms' interpreters to one CPU; returns how many were pinned.
-    The arms never run at once, so sharing a core costs no time, and they meet the same
-    neighbours: on a busy machine an arm placed beside another job's process read 2-4x slower
-    for its whole life. The candidate's other processes stay unpinned, so a helper busy while
-    the baseline runs does not get the baseline's core as well. Best effort: a thread that
-    ended or refuses is left as it is."""
-    pinned = 0
-    for root in roots:
-        pid = arm_interpreter(root)
-        try:
-            threads = os.listdir(f"/proc/{pid}/task") if pid else []
-        except OSError:
-            continue
-        for tid in threads:
-            try:
-                os.sched_setaffinity(int(tid), {cpu})
-                pinned += 1
-            except (OSError, ValueError):
-                pass
-    return pinned
-
-
-def unique_findings(findings: list[Finding]) -> list[Finding]:
-    """Each finding once: every block's arms report what they did again."""
-    seen: dict[str, Finding] = {}
-    for finding in findings:
-        seen.setdefault(finding.model_dump_json(), finding)
-    return list(seen.values())
 
 
 async def benchmark_candidate(
@@ -569,7 +273,7 @@ async def benchmark_candidate(
                                  benchmark_id, block, arms_ready, inputs_ready,
                                  prep.timeline(began_epoch) if block == 0 else "prepared before",
                                  time.monotonic() - begun)
-                        outcome["proof"] = await _run_pairs(
+                        outcome["proof"] = await run_pairs(
                             arms, shape_meta, samples, block_gate, timeout_s, clock_sampler, findings,
                             say, declared, launchers.get("candidate"), first_pair=block,
                             idle_totals=idle_totals if wall_clock else None)
@@ -665,153 +369,3 @@ async def benchmark_candidate(
         blocks=block_count if wall_clock else None, block_geomeans=stats.block_geomeans,
     )
     return evidence, evidence.findings
-
-async def _run_pairs(arms, shape_meta, samples, gate: GateConfig, timeout_s, clock_sampler,
-                     findings: list[Finding], say, declared: set[str], candidate_pid: int | None,
-                     first_pair: int = 0, idle_totals: dict[str, list[float]] | None = None):
-    from loom_mcp.bench.stats import paired_stop_reason
-
-    graph_used = False
-    mismatch_reported = False
-    tamper_reported: set[str] = set()
-    for shape_index, meta in enumerate(shape_meta):
-        name = meta["name"]
-        setup_started = time.monotonic()
-        setup = await arms["timer"].ask({"op": "setup", "shape": shape_index}, timeout_s)
-        graph_used = graph_used or bool(setup.get("graph"))
-        started = time.monotonic()
-        pair = 0
-        probes = probes_off = 0  # sampled outputs compared over all of this shape's calls
-        record = samples[name]
-        idle = IdleWatch(candidate_pid) if candidate_pid else None
-        late = 0  # calls whose work was done before the timer could queue its end event
-        raw: dict[str, list[float]] = {"baseline": [], "candidate": []}
-        lateness: dict[str, list[bool]] = {"baseline": [], "candidate": []}
-        overhead: list[float] = []
-        while True:
-            probe = [secrets.randbelow(1 << 30) for _ in range(32)]
-            salt = secrets.randbelow(1 << 30)
-            before = clock_sampler() if clock_sampler else None
-            # ABBA, and a block that starts with the other arm: order effects cancel across blocks.
-            order = (["baseline", "candidate"] if (pair + first_pair) % 2 == 0
-                     else ["candidate", "baseline"])
-            got: dict[str, Any] = {"arms": {}}
-            for role in order:
-                # One arm's pass at a time, so the server can see what the idle candidate does
-                # while the baseline is timed.
-                watching = role == "baseline" and idle is not None
-                if watching:  # a /proc scan: off the event loop
-                    assert idle is not None  # watching implies it
-                    cpu_before = await anyio.to_thread.run_sync(idle.cpu_s)
-                    wall_before = time.monotonic()
-                part = await arms["timer"].ask({"op": "batch", "order": [role], "salt": salt,
-                                                "probe": probe, "empties": EMPTY_CALLS}, timeout_s)
-                if watching:
-                    wall = time.monotonic() - wall_before
-                    assert idle is not None  # watching implies it
-                    idle.add(await anyio.to_thread.run_sync(idle.cpu_s) - cpu_before, wall)
-                got["arms"].update(part["arms"])
-                got["overhead"] = got.get("overhead", []) + (part.get("overhead") or [])
-                late = part.get("late", 0)
-            after = clock_sampler() if clock_sampler else None
-            throttled = bool((before or {}).get("throttled") or (after or {}).get("throttled"))
-            base, cand = got["arms"]["baseline"], got["arms"]["candidate"]
-            # Element i of both arms timed the same input set with the same content: a pair.
-            raw["baseline"].extend(base["times"])
-            raw["candidate"].extend(cand["times"])
-            for role, arm_part in (("baseline", base), ("candidate", cand)):
-                lateness[role].extend(arm_part.get("late") or [False] * len(arm_part["times"]))
-            overhead.extend(got.get("overhead") or [])
-            record["throttled"].extend([throttled] * len(base["times"]))
-            # The timer's brackets hold its own cost (a context switch each way on a GPU, a
-            # socket round trip on a CPU); the baseline's empty calls measure it.
-            record["overhead"] = statistics.median(overhead) if overhead else 0.0
-            kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"],
-                                 lateness["candidate"])
-            trusted_a = subtract_overhead([a for a, _ in kept], record["overhead"])
-            trusted_b = subtract_overhead([b for _, b in kept], record["overhead"])
-            if base.get("own_times") is not None and cand.get("own_times") is not None:
-                # GPU: the arms' own events are the precise samples; the timer's brackets of the
-                # same calls are what they are checked against (see check_own_timing).
-                record["a"].extend(base["own_times"])
-                record["b"].extend(cand["own_times"])
-                record["trusted_a"], record["trusted_b"] = trusted_a, trusted_b
-            else:
-                record["a"], record["b"] = trusted_a, trusted_b
-            for role in ("baseline", "candidate"):
-                if got["arms"][role].get("tampered") and role not in tamper_reported:
-                    tamper_reported.add(role)
-                    findings.append(Finding(
-                        check="benchmark.timer_tampering", severity="warning",
-                        message=f"the {role} replaced harness functions while timed "
-                                f"({', '.join(got['arms'][role]['tampered'])}); the timing is "
-                                "taken in another process, so it changed no number"))
-            agree = cand["samples"] is not None and base["samples"] is not None
-            if agree:
-                for c_call, b_call in zip(cand["samples"], base["samples"], strict=True):
-                    if len(c_call) != len(b_call):
-                        agree = False
-                        continue
-                    for c, b in zip(c_call, b_call, strict=True):
-                        off = samples_disagreeing(c, b)
-                        agree = agree and call_agrees(off, len(b))
-                        probes_off += len(b) if off is None else off
-                        probes += len(b)
-            if not agree and not mismatch_reported:
-                mismatch_reported = True
-                why = cand.get("error") or base.get("error") or "values differ at sampled positions"
-                findings.append(Finding(
-                    check="benchmark.output_mismatch", severity="error",
-                    message=f"{name}: while being timed the candidate's output differs from the "
-                            f"baseline's ({why}; honest only when validated?)"))
-            pair += 1
-            elapsed = time.monotonic() - started
-            stop = paired_stop_reason(record["a"], record["b"], gate, elapsed)
-            if stop:
-                record["stop"], record["seconds"] = stop, elapsed
-                break
-            if pair % 20 == 0:
-                await say(f"{name}: {pair} pairs, {elapsed:.1f} s")
-        if idle is not None and idle_totals is not None:
-            # Blocks: judged over all of them, as one block's passes hold a few clock ticks only.
-            total = idle_totals.setdefault(name, [0.0, 0.0])
-            total[0] += idle.cpu
-            total[1] += idle.wall
-        elif idle is not None and idle.busy():
-            findings.append(busy_finding(name, idle.cpu, idle.wall))
-        if shape_disagrees(probes_off, probes) and not mismatch_reported:
-            mismatch_reported = True
-            findings.append(Finding(
-                check="benchmark.output_mismatch", severity="error",
-                message=f"{name}: while being timed {probes_off} of {probes} sampled outputs "
-                        "differed from the baseline's (more than a tenth; honest only when "
-                        "validated?)"))
-        log.info("benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s, "
-                 "%d late calls", name, started - setup_started, pair, len(record["a"]), elapsed,
-                 stop, late)
-        await say(f"{name}: {pair} pairs done")
-
-    proof, note = None, "proof of execution needs a GPU profiler (CPU run)"
-    if not declared:
-        # A candidate with no kernels of its own has nothing to prove (and no profiler starts).
-        return graph_used, None, "the candidate defines no kernels of its own; nothing to prove", False
-    listing: dict = {"kernels": None}
-    if "proof" in arms:  # on a GPU (see benchmark_candidate)
-        proof_started = time.monotonic()
-        try:
-            started = await arms["proof"].receive(timeout_s)  # trace_start, sent before the load
-            await arms["proof"].receive(timeout_s)  # load
-            listing = await arms["proof"].ask({"op": "trace", "shape": len(shape_meta) - 1}, timeout_s)
-        except ArmError as exc:  # no profiler here (permissions, no CUPTI), or the process died
-            note = f"no proof of execution: the proof process failed ({exc})"
-        else:
-            log.info("benchmark: proof-of-execution trace %.2f s after the timing (profiler start "
-                     "%s, trace %s)", time.monotonic() - proof_started, started.get("seconds"),
-                     listing.get("seconds"))
-    if isinstance(listing.get("kernels"), list):
-        seen = [str(k) for k in listing["kernels"]]
-        hit = sorted(d for d in declared if any(d in k for k in seen))
-        proof = bool(hit)
-        note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
-                f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
-    return graph_used, proof, note, True
