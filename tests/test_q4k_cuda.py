@@ -414,7 +414,7 @@ def test_cuda_probe_summary_of_a_recorded_h200_run():
     import json
 
     probe = load("probe_q4k_cuda_summary", REPO / "tools" / "probe_q4k_cuda.py")
-    recorded = json.loads((REPO / "docs" / "h200_2026-12-01_s8" / "final" / "probe_q4k_cuda.json").read_text())
+    recorded = json.loads((REPO / "tests" / "fixtures" / "probe" / "probe_q4k_cuda_h200.json").read_text())
     lines = probe.summary(recorded).splitlines()
     assert lines[0] == "checks: 11 of 11 passed"
     by_shape = {line.split(":")[0]: line for line in lines[1:]}
