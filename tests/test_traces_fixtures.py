@@ -1,4 +1,4 @@
-"""Trace analysis on the real traces in shared/fixtures/traces (H100, H200, MI300X, MI210,
+"""Trace analysis on the real traces in tests/fixtures/traces_real (H100, H200, MI300X, MI210,
 rocprofv3, SGLang graph decode, torch.compile Triton). Every expectation is checked against
 numbers this file computes itself from the raw JSON."""
 
@@ -12,10 +12,8 @@ import pytest
 
 from loom_mcp.traces import TraceAnalysis, analyze_trace_file
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "traces"
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared trace fixtures not present")
-
-NAMES = sorted(p.name for p in FIXTURES.iterdir()) if FIXTURES.is_dir() else []
+FIXTURES = Path(__file__).parent / "fixtures" / "traces_real"
+NAMES = sorted(p.name for p in FIXTURES.iterdir())
 GRAPH_REPLAY = ("h200_mlp_cudagraph_bf16.json.gz", "sglang_qwen3_8b_decode_graph.json.gz")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
