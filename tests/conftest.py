@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+REAL_TRACES = REPO_ROOT / "tests" / "fixtures" / "traces_real"
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from mcp import Client
 from loom_mcp.config import load_config
 from loom_mcp.server import build_server
 
-from .conftest import SHARED_FIXTURES
+from .conftest import REAL_TRACES
 
 REDTEAM = Path(__file__).parent / "redteam"
-TRACES = SHARED_FIXTURES / "traces"
+TRACES = REAL_TRACES
 
 
 @pytest.fixture
@@ -27,7 +27,6 @@ def server(tmp_path):
 
 
 @pytest.mark.anyio
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared fixtures absent")
 async def test_analyze_real_fixture_and_read_its_resources(server):
     async with Client(server) as client:
         result = await client.call_tool("analyze_trace", {"trace": str(TRACES / "h100_bert_small.json.gz")})
@@ -48,7 +47,6 @@ async def test_analyze_real_fixture_and_read_its_resources(server):
 
 
 @pytest.mark.anyio
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared fixtures absent")
 async def test_diff_of_two_vendors(server):
     async with Client(server) as client:
         result = await client.call_tool("analyze_trace", {
