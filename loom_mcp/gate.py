@@ -1,6 +1,6 @@
 """The gate: evidence in, verdict out. A pure function; it measures nothing and trusts no claim.
 
-Policy (DESIGN.md §5, "Verdict"):
+Policy (loom.toml [gate]; docs/architecture.md, "The promise"):
 
 * accept iff compile ok, validation passed, the geomean speedup CI lower bound > 1 + min_gain,
   and no shape is clearly slower (its CI upper bound < 1 - max_regression);
@@ -142,7 +142,7 @@ def _judge_validation(
     return ok
 
 
-# Validation finding checks (validate/runner.py, static_checks.py, the sandbox guard) by the
+# Validation finding checks (validate/runner.py, validate/static_checks/, the sandbox guard) by the
 # reason code that says what went wrong; a check not named here is a rule broken while running.
 _FINDING_CODES: dict[str, ReasonCode] = {
     "validation.mismatch": "validation.mismatch",

@@ -8,6 +8,8 @@ coded error (a full disk or a read-only LOOM_HOME anywhere in the call becomes [
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import sqlite3
@@ -248,3 +250,30 @@ async def run_recorded(
         notes.append(f"the ledger could not record this call's end ({lost}); the next start marks "
                      "it interrupted")
     return _with_notes(result, notes)
+
+
+def recorded(services: Services, tool: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """A tool written as `async def name(scope, ctx?, **parameters)` becomes the function an MCP
+    server registers: the same parameters less `scope` (the tool's schema is built from them),
+    each call recorded in the ledger under `tool` with every parameter but ctx (run_recorded),
+    under its campaign_id when it takes one."""
+
+    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        # eval_str: the server module's annotations are strings; the SDK reads this signature.
+        signature = inspect.signature(fn, eval_str=True)
+        public = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "scope"])
+
+        @functools.wraps(fn)
+        async def call(*args: Any, **kwargs: Any) -> T:
+            bound = public.bind(*args, **kwargs)
+            bound.apply_defaults()
+            given = dict(bound.arguments)
+            arguments = {name: value for name, value in given.items() if name != "ctx"}
+            return await run_recorded(services, tool, arguments, lambda scope: fn(scope, **given),
+                                      given.get("campaign_id"))
+
+        call.__signature__ = public  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+

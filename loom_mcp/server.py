@@ -42,7 +42,7 @@ from loom_mcp.models import (
     SubmitResult,
 )
 from loom_mcp.profiling.analysis import AnalyzeTraceResult
-from loom_mcp.runtime import CallScope, Services, config_notes, open_services, run_recorded
+from loom_mcp.runtime import CallScope, Services, config_notes, open_services, recorded
 
 log = logging.getLogger("loom_mcp")
 
@@ -127,7 +127,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     server.services = services
 
     @server.tool(title="Device info", annotations=READ_ONLY)
+    @recorded(services, "device_info")
     async def device_info(
+        scope: CallScope,
         ctx: Context,
         refresh: Annotated[bool, Field(description="Re-probe torch/triton instead of the cached facts")] = False,
     ) -> DeviceInfoResult:
@@ -135,16 +137,15 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         clocks, throttle state, driver and runtime versions, datasheet peaks, whether a loom job holds
         each now; plus the toolchain (torch, triton, nvcc/hipcc, profilers). Call it first."""
 
-        async def body(scope: CallScope) -> DeviceInfoResult:
-            await ctx.report_progress(0, total=1, message="probing devices and toolchain")
-            result = await device_info_impl(config, refresh=refresh)
-            await ctx.report_progress(1, total=1, message="done")
-            return result
-
-        return await run_recorded(services, "device_info", {"refresh": refresh}, body)
+        await ctx.report_progress(0, total=1, message="probing devices and toolchain")
+        result = await device_info_impl(config, refresh=refresh)
+        await ctx.report_progress(1, total=1, message="done")
+        return result
 
     @server.tool(title="Start campaign", annotations=RECORDS)
+    @recorded(services, "start_campaign")
     async def start_campaign(
+        scope: CallScope,
         repo: Annotated[str, Field(description="Absolute path of the git repository to optimize (its root)")],
         goal: Annotated[str, Field(min_length=1, max_length=2000,
                                    description="What to improve, e.g. 'decode tokens/s of llama_q4k at batch 1'")],
@@ -157,26 +158,19 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         """Bind a git repository (inside the allowed roots) and a goal into a campaign: records
         the base commit (HEAD), config fingerprint and budgets (at most the configured ceilings).
         Your working tree and branch are never touched; accepts go to branch loom/<campaign_id>."""
-        arguments = {"repo": repo, "goal": goal, "task": task, "gpu_seconds": gpu_seconds,
-                     "max_candidates": max_candidates, "wall_seconds": wall_seconds,
-                     "task_globals": task_globals}
-
-        async def body(scope: CallScope) -> StartCampaignResult:
-            requested = None
-            if gpu_seconds or max_candidates or wall_seconds:
-                ceiling = config.budgets
-                requested = Budgets(
-                    gpu_seconds=gpu_seconds or ceiling.gpu_seconds,
-                    candidates=max_candidates or ceiling.candidates,
-                    wall_seconds=wall_seconds or ceiling.wall_seconds,
-                )
-            result = await anyio.to_thread.run_sync(
-                start_campaign_impl, config, services.ledger, repo, goal, task, requested, task_globals
+        requested = None
+        if gpu_seconds or max_candidates or wall_seconds:
+            ceiling = config.budgets
+            requested = Budgets(
+                gpu_seconds=gpu_seconds or ceiling.gpu_seconds,
+                candidates=max_candidates or ceiling.candidates,
+                wall_seconds=wall_seconds or ceiling.wall_seconds,
             )
-            scope.campaign_id = result.campaign_id
-            return result
-
-        return await run_recorded(services, "start_campaign", arguments, body)
+        result = await anyio.to_thread.run_sync(
+            start_campaign_impl, config, services.ledger, repo, goal, task, requested, task_globals
+        )
+        scope.campaign_id = result.campaign_id
+        return result
 
     def campaign_globals(campaign_id: str | None, given: dict[str, Any] | None) -> dict[str, Any] | None:
         """The call's task_globals, or the campaign's when the call names none."""
@@ -196,7 +190,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         return report
 
     @server.tool(title="Compile kernel", annotations=READ_ONLY)
+    @recorded(services, "compile_kernel")
     async def compile_kernel(
+        scope: CallScope,
         ctx: Context,
         source: Annotated[str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")],
         language: Annotated[Literal["triton", "cuda", "hip"], Field(description="Source language")],
@@ -209,25 +205,21 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         warps/stages, occupancy estimate. Triton: runs the file's ModelNew on the task's first shape
         (pass task=); CUDA: nvcc -Xptxas -v; HIP: hipcc remarks. Errors are [COMPILE_ERROR] with your
         file:line. Cached by content hash."""
-        arguments = {"source": source, "language": language, "target": target, "flags": flags, "task": task,
-                     "task_globals": task_globals}
+        from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
 
-        async def body(scope: CallScope) -> CompileResult:
-            from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
-
-            result, _ = await judge.compile_kernel(
-                config, services.artifacts, source=source, language=language, target=target,
-                flags=flags or [], task=task, progress=progress_of(ctx), task_globals=task_globals)
-            if not result.ok:
-                where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
-                                  for d in result.diagnostics if d.severity == "error")
-                raise LoomError(ErrorCode.COMPILE_ERROR, where or "compilation failed")
-            return result
-
-        return await run_recorded(services, "compile_kernel", arguments, body)
+        result, _ = await judge.compile_kernel(
+            config, services.artifacts, source=source, language=language, target=target,
+            flags=flags or [], task=task, progress=progress_of(ctx), task_globals=task_globals)
+        if not result.ok:
+            where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
+                              for d in result.diagnostics if d.severity == "error")
+            raise LoomError(ErrorCode.COMPILE_ERROR, where or "compilation failed")
+        return result
 
     @server.tool(title="Run validation", annotations=RECORDS)
+    @recorded(services, "run_validation")
     async def run_validation(
+        scope: CallScope,
         ctx: Context,
         task: Annotated[str, Field(description="Task file (KernelBench format: Model, get_inputs, get_init_inputs; optional SHAPES, TOLERANCE)")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew with Model's constructor and forward signature")],
@@ -240,22 +232,18 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         normal, heavy-tailed, scaled inputs) in float64 with per-dtype tolerances, plus behaviour
         checks (NaN/Inf parity, aliasing, input mutation, determinism, late writes) and static checks.
         Returns passed, failing cases and findings; full table at loom://runs/{validation_id}."""
-        arguments = {"task": task, "candidate": candidate, "seeds": seeds, "shapes": shapes,
-                     "task_globals": task_globals}
+        from loom_mcp import judge
 
-        async def body(scope: CallScope) -> RunValidationResult:
-            from loom_mcp import judge
-
-            result, _, _ = await judge.run_validation(
-                config, services.ledger, services.artifacts, task=task, candidate=candidate,
-                seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
-                task_globals=campaign_globals(campaign_id, task_globals))
-            return result
-
-        return await run_recorded(services, "run_validation", arguments, body, campaign_id)
+        result, _, _ = await judge.run_validation(
+            config, services.ledger, services.artifacts, task=task, candidate=candidate,
+            seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
+            task_globals=campaign_globals(campaign_id, task_globals))
+        return result
 
     @server.tool(title="Benchmark", annotations=RECORDS)
+    @recorded(services, "benchmark")
     async def benchmark(
+        scope: CallScope,
         ctx: Context,
         task: Annotated[str, Field(description="Task file; its Model is the default baseline")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew")],
@@ -269,22 +257,18 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         dropped) until 0.5 % standard error or a time cap. Returns per-shape medians and speedups with
         bootstrap 95 % CIs, roofline fraction, the geomean with its CI, and whether the candidate's own
         kernels ran."""
-        arguments = {"task": task, "candidate": candidate, "baseline": baseline, "shapes": shapes,
-                     "task_globals": task_globals}
+        from loom_mcp import judge
 
-        async def body(scope: CallScope) -> BenchmarkResult:
-            from loom_mcp import judge
-
-            result, _, _, _ = await judge.run_benchmark(
-                config, services.ledger, services.artifacts, task=task, candidate=candidate,
-                baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
-                task_globals=campaign_globals(campaign_id, task_globals))
-            return result
-
-        return await run_recorded(services, "benchmark", arguments, body, campaign_id)
+        result, _, _, _ = await judge.run_benchmark(
+            config, services.ledger, services.artifacts, task=task, candidate=candidate,
+            baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
+            task_globals=campaign_globals(campaign_id, task_globals))
+        return result
 
     @server.tool(title="Profile", annotations=RECORDS)
+    @recorded(services, "profile")
     async def profile(
+        scope: CallScope,
         ctx: Context,
         profiler: Annotated[Literal["torch", "rocprofv3", "nsys"], Field(description="torch: a task, candidate or script; rocprofv3/nsys: wrap command")] = "torch",
         task: Annotated[str | None, Field(description="Task file whose Model (or candidate's ModelNew) is profiled")] = None,
@@ -300,33 +284,28 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         """Run a workload under a profiler in the sandbox; the scrubbed trace is stored. torch: the
         task's Model, a candidate's ModelNew or a script (CUDA, ROCm, CPU); rocprofv3 / nsys: wrap
         `command` ([TOOLCHAIN_MISSING] when absent). Returns trace_id and a headline; then analyze_trace."""
-        arguments = {"profiler": profiler, "task": task, "candidate": candidate, "shape": shape,
-                     "script": script, "args": args, "command": command, "warmup": warmup,
-                     "active": active}
+        from loom_mcp import judge
+        from loom_mcp.profiling.runner import profile_workload
 
-        async def body(scope: CallScope) -> ProfileResult:
-            from loom_mcp import judge
-            from loom_mcp.profiling.runner import profile_workload
-
-            task_path = judge.check_file(config, task, "task") if task else None
-            cand_path = judge.check_file(config, candidate, "candidate") if candidate else None
-            script_path = judge.check_file(config, script, "script") if script else None
-            target = await judge.pick_target(config) if profiler == "torch" else None
-            device = target.torch_device if target else "auto"
-            lease_target = target or await judge.pick_target(config)
-            async with judge.Leased(config, lease_target, progress_of(ctx)):
-                result = await profile_workload(
-                    ledger=services.ledger, artifacts=services.artifacts, jobs_dir=config.jobs_dir,
-                    cache_dir=config.cache_dir, profiler=profiler, task=task_path, candidate=cand_path,
-                    shape=shape, script=script_path, args=args or [], command=command, warmup=warmup,
-                    active=active, device=device, timeout_s=config.job_timeout_s,
-                    campaign_id=campaign_id, progress=progress_of(ctx))
-            return result
-
-        return await run_recorded(services, "profile", arguments, body, campaign_id)
+        task_path = judge.check_file(config, task, "task") if task else None
+        cand_path = judge.check_file(config, candidate, "candidate") if candidate else None
+        script_path = judge.check_file(config, script, "script") if script else None
+        target = await judge.pick_target(config) if profiler == "torch" else None
+        device = target.torch_device if target else "auto"
+        lease_target = target or await judge.pick_target(config)
+        async with judge.Leased(config, lease_target, progress_of(ctx)):
+            result = await profile_workload(
+                ledger=services.ledger, artifacts=services.artifacts, jobs_dir=config.jobs_dir,
+                cache_dir=config.cache_dir, profiler=profiler, task=task_path, candidate=cand_path,
+                shape=shape, script=script_path, args=args or [], command=command, warmup=warmup,
+                active=active, device=device, timeout_s=config.job_timeout_s,
+                campaign_id=campaign_id, progress=progress_of(ctx))
+        return result
 
     @server.tool(title="Analyze trace", annotations=READ_ONLY)
+    @recorded(services, "analyze_trace")
     async def analyze_trace(
+        scope: CallScope,
         ctx: Context,
         trace: Annotated[str, Field(description="A trace_id from profile, or a trace file: Kineto JSON (.json/.json.gz), rocprofv3 JSON, nsys SQLite")],
         baseline: Annotated[str | None, Field(description="Another trace id or path: report what got faster or slower")] = None,
@@ -336,18 +315,13 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         communication/memcpy, idle), kernels linked to their ops, categories (GEMM, attention, ...),
         top ops with FLOPs/bytes and % of roofline, and findings ranked by Amdahl ceiling, each naming
         the next tool. With baseline: deltas. Full tables: loom://traces/{analysis_id}/analysis."""
-        arguments = {"trace": trace, "baseline": baseline, "top_k": top_k}
+        from loom_mcp.profiling.analysis import analyze
 
-        async def body(scope: CallScope) -> AnalyzeTraceResult:
-            from loom_mcp.profiling.analysis import analyze
-
-            await ctx.report_progress(0, total=1, message="analyzing trace")
-            result = await anyio.to_thread.run_sync(
-                analyze, config, services.ledger, services.artifacts, trace, baseline, top_k)
-            await ctx.report_progress(1, total=1, message="done")
-            return result
-
-        return await run_recorded(services, "analyze_trace", arguments, body)
+        await ctx.report_progress(0, total=1, message="analyzing trace")
+        result = await anyio.to_thread.run_sync(
+            analyze, config, services.ledger, services.artifacts, trace, baseline, top_k)
+        await ctx.report_progress(1, total=1, message="done")
+        return result
 
     @server.resource("loom://traces/{analysis_id}/analysis", name="trace_analysis",
                      title="Full trace analysis (JSON tables)", mime_type="application/json")
@@ -370,7 +344,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             raise ResourceNotFoundError(str(exc)) from exc
 
     @server.tool(title="Submit candidate", annotations=RECORDS)
+    @recorded(services, "submit_candidate")
     async def submit_candidate(
+        scope: CallScope,
         ctx: Context,
         campaign_id: Annotated[str, Field(description="From start_campaign")],
         task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
@@ -384,40 +360,33 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         the geomean speedup's CI lower bound clears 1 + min_gain with no shape clearly slower;
         needs_review when implausible. Accepts commit to loom/<campaign_id>. Failures that are not the
         candidate's spend no candidate (device time held still counts)."""
-        arguments = {"campaign_id": campaign_id, "task": task, "candidate": candidate, "paths": paths,
-                     "task_globals": task_globals}
+        from loom_mcp.submissions import submit_candidate as submit
 
-        async def body(scope: CallScope) -> SubmitResult:
-            from loom_mcp.submissions import submit_candidate as submit
-
-            result, _ = await submit(
-                config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
-                candidate=candidate, paths=paths, progress=progress_of(ctx), task_globals=task_globals)
-            return result
-
-        return await run_recorded(services, "submit_candidate", arguments, body, campaign_id)
+        result, _ = await submit(
+            config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
+            candidate=candidate, paths=paths, progress=progress_of(ctx), task_globals=task_globals)
+        return result
 
     @server.tool(title="Campaign report", annotations=READ_ONLY)
+    @recorded(services, "campaign_report")
     async def campaign_report(
+        scope: CallScope,
         campaign_id: Annotated[str, Field(description="From start_campaign")],
     ) -> CampaignReportResult:
         """The campaign from the ledger: accepted chain and cumulative speedup, every attempt
         with verdict and reasons, outcome rates, per-tool errors, budgets used, fingerprints, the
         accepted patch and reproduction commands. Markdown at loom://campaigns/{id}/report."""
 
-        async def body(scope: CallScope) -> CampaignReportResult:
-            from loom_mcp.report.campaign import write_report
+        from loom_mcp.report.campaign import write_report
 
-            report = await anyio.to_thread.run_sync(
-                write_report, config, services.ledger, services.artifacts, campaign_id)
-            return CampaignReportResult(
-                campaign_id=campaign_id, accepted=len(report.accepted), attempts=len(report.attempts),
-                cumulative_speedup=report.cumulative_speedup, branch=report.branch,
-                branch_tip=report.branch_tip, outcome_rates=report.outcome_rates,
-                budgets=report.budgets, files=report.files,
-                next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}")
-
-        return await run_recorded(services, "campaign_report", {"campaign_id": campaign_id}, body, campaign_id)
+        report = await anyio.to_thread.run_sync(
+            write_report, config, services.ledger, services.artifacts, campaign_id)
+        return CampaignReportResult(
+            campaign_id=campaign_id, accepted=len(report.accepted), attempts=len(report.attempts),
+            cumulative_speedup=report.cumulative_speedup, branch=report.branch,
+            branch_tip=report.branch_tip, outcome_rates=report.outcome_rates,
+            budgets=report.budgets, files=report.files,
+            next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}")
 
     @server.resource("loom://campaigns/{campaign_id}/report", name="campaign_report",
                      title="Campaign report (Markdown)", mime_type="text/markdown")
@@ -428,7 +397,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         return path.read_text()
 
     @server.tool(title="Benchmark commands", annotations=RECORDS)
+    @recorded(services, "benchmark_command")
     async def benchmark_command(
+        scope: CallScope,
         ctx: Context,
         command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv; with revisions, what both arms run")],
         baseline_command: Annotated[list[str] | None, Field(min_length=1, max_length=256, description="The baseline, as argv; with revisions, defaults to `command`")] = None,
@@ -447,22 +418,14 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         two git revisions, `runs` times each interleaved ABBA in the sandbox (loopback network only):
         per metric they print (JSON; vLLM/SGLang results understood) each arm's median and the
         improvement factor with bootstrap CIs (> 1 = candidate better)."""
-        arguments = {"baseline_command": baseline_command, "command": command, "metrics": metrics,
-                     "runs": runs, "parser": parser, "metrics_file": metrics_file, "cwd": cwd,
-                     "warmup": warmup, "baseline_revision": baseline_revision,
-                     "revision": revision, "repo": repo}
+        from loom_mcp.command_benchmark import run_command_benchmark
 
-        async def body(scope: CallScope) -> CommandBenchmarkResult:
-            from loom_mcp.command_benchmark import run_command_benchmark
-
-            return await run_command_benchmark(
-                config, services.ledger, services.artifacts, command=command,
-                baseline_command=baseline_command, metrics=metrics, runs=runs, parser=parser,
-                metrics_file=metrics_file, cwd=cwd, warmup=warmup,
-                baseline_revision=baseline_revision, revision=revision, repo=repo,
-                campaign_id=campaign_id, progress=progress_of(ctx))
-
-        return await run_recorded(services, "benchmark_command", arguments, body, campaign_id)
+        return await run_command_benchmark(
+            config, services.ledger, services.artifacts, command=command,
+            baseline_command=baseline_command, metrics=metrics, runs=runs, parser=parser,
+            metrics_file=metrics_file, cwd=cwd, warmup=warmup,
+            baseline_revision=baseline_revision, revision=revision, repo=repo,
+            campaign_id=campaign_id, progress=progress_of(ctx))
 
     @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
                      mime_type="application/json")

@@ -26,7 +26,7 @@ SKILLS = REPO / "skills"
 PACKAGED = REPO / "loom_mcp" / "skills_data"
 SKILL_DIRS = sorted(p.parent for p in SKILLS.glob("*/SKILL.md"))
 
-# The loop's tools (DESIGN.md §3): the loop skill must cover each of them.
+# The loop's tools: the loop skill must cover each of them.
 LOOP_TOOLS = {
     "device_info",
     "start_campaign",
