@@ -254,6 +254,110 @@ def test_codex_appends_to_a_config_without_loom(capsys, home, project):
     assert code == 0 and path.read_text() == text
 
 
+def cli(home: Path, *argv: str) -> subprocess.CompletedProcess:
+    """The installed command line, `loom-mcp install ...`, as a user runs it."""
+    env = {**os.environ, "HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "loom_mcp.cli", "install", *argv],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+CODEX_USER = """\
+# ~/.codex/config.toml, written by hand
+model = "o3"  # the default model
+approval_policy = "on-request"
+
+[tui]
+# keep the notifications
+notifications = true
+
+[mcp_servers.docs]
+command = "docs-server"  # read-only
+args = ["--root", "/srv/docs"]
+
+[profiles.fast]
+model = "o4-mini"
+
+[[hooks.on_start]]
+run = "echo hi"
+
+# servers added later
+[mcp_servers.search]
+command = "search-server"
+"""
+
+
+def test_codex_install_keeps_comments_order_and_other_tables(home, project):
+    path = home / ".codex" / "config.toml"
+    path.parent.mkdir()
+    path.write_text(CODEX_USER)
+    proc = cli(home, "--client", "codex", "--scope", "user", "--no-skills")
+    assert proc.returncode == 0, proc.stderr
+    text = path.read_text()
+    assert text.startswith(CODEX_USER + "\n[mcp_servers.loom]\n"), "nothing the user wrote moved"
+    assert tomllib.loads(text)["mcp_servers"]["loom"] == loom_entry("codex", proc.stdout)
+
+    # A changed entry is replaced where it stands; what surrounds it stays byte for byte.
+    with_tail = text + "\n# trailing notes\n[profiles.slow]\nmodel = \"o3\"\n"
+    path.write_text(with_tail)
+    proc = cli(home, "--client", "codex", "--scope", "user", "--no-skills", "--env", "A=1")
+    assert proc.returncode == 0, proc.stderr
+    assert "replace the existing 'loom' entry" in proc.stderr
+    assert '+env = {A = "1"}' in proc.stderr, "the diff shows what changed"
+    new = path.read_text()
+    head, _, rest = new.partition("[mcp_servers.loom]\n")
+    assert head == CODEX_USER + "\n"
+    assert rest.endswith("\n# trailing notes\n[profiles.slow]\nmodel = \"o3\"\n")
+    data = tomllib.loads(new)
+    assert data["mcp_servers"]["loom"]["env"] == {"A": "1"}
+    assert data["mcp_servers"]["docs"] == {"command": "docs-server", "args": ["--root", "/srv/docs"]}
+    assert data["tui"] == {"notifications": True}
+    assert data["hooks"] == {"on_start": [{"run": "echo hi"}]}
+    assert data["profiles"] == {"fast": {"model": "o4-mini"}, "slow": {"model": "o3"}}
+    assert list(data) == ["model", "approval_policy", "tui", "mcp_servers", "profiles", "hooks"]
+    assert list(data["mcp_servers"]) == ["docs", "search", "loom"]
+    assert len(backups(path)) == 2
+    assert sorted(b.read_text() for b in backups(path)) == sorted([CODEX_USER, with_tail])
+
+
+@pytest.mark.parametrize("client,scope", CLIENT_SCOPES)
+def test_reinstall_changes_nothing(home, project, client, scope):
+    argv = ["--client", client, "--scope", scope, "--project-dir", str(project)]
+    first = cli(home, *argv)
+    assert first.returncode == 0, first.stderr
+    written = {p: p.read_bytes() for p in files_under(home, project) if p.is_file()}
+    assert config_file(client, scope, home, project) in written
+    second = cli(home, *argv)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert {p: p.read_bytes() for p in files_under(home, project) if p.is_file()} == written
+    assert "already up to date" in second.stderr
+    assert second.stderr.count("is up to date") == len(inst.skill_files())
+    dry = cli(home, *argv, "--dry-run")
+    assert dry.returncode == 0 and dry.stdout == first.stdout and "would" not in dry.stderr
+
+
+def test_codex_entry_written_by_the_old_text_writer_is_up_to_date(capsys, home, project):
+    command, args = inst.server_command()
+    old_writer = "\n".join([
+        "[mcp_servers.loom]",
+        "# loom-mcp GPU optimization server; `loom-mcp install --client codex` rewrites this table",
+        f"command = {json.dumps(command)}",
+        f"args = {json.dumps([*args, '--stdio'])}",
+        "env_vars = [", *(f'  "{name}",' for name in inst.CODEX_ENV_VARS), "]",
+        "startup_timeout_sec = 30",
+        "tool_timeout_sec = 1800",
+        "env = { LOOM_LOG_LEVEL = \"DEBUG\" }",
+    ]) + "\n"
+    path = project / ".codex" / "config.toml"
+    path.parent.mkdir()
+    path.write_text('model = "o3"\n\n' + old_writer)
+    code, _, err = run(capsys, *args_for("codex", "project", project, "--env", "LOOM_LOG_LEVEL=DEBUG"))
+    assert code == 0, err
+    assert "already up to date" in err
+    assert path.read_text() == 'model = "o3"\n\n' + old_writer
+    assert backups(path) == []
+
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -267,6 +371,7 @@ def test_codex_appends_to_a_config_without_loom(capsys, home, project):
         ("codex", 'mcp_servers = "nope"\n'),
         ("codex", '[mcp_servers]\nloom = { command = "x" }\n'),  # inline loom: not ours to edit
         ("codex", 'mcp_servers.loom.command = "x"\n'),  # dotted keys
+        ("codex", '[mcp_servers.loom]\ncommand = "x"\n[z]\n[mcp_servers.loom.env]\nA = "1"\n'),  # split
     ],
 )
 def test_unusable_existing_config_is_refused_untouched(capsys, home, project, client, content):

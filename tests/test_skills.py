@@ -8,9 +8,11 @@ server's real tools/list.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,22 @@ from mcp import Client
 
 from loom_mcp.cli import build_parser
 from loom_mcp.config import load_config
-from loom_mcp.install import add_install_parser, skill_files
+from loom_mcp.install import (
+    SKILLS_PACKAGE_DIR,
+    add_install_parser,
+    packaged_skills,
+    skill_files,
+)
 from loom_mcp.server import build_server
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parents[1]
-SKILLS = REPO / "skills"
-PACKAGED = REPO / "loom_mcp" / "skills_data"
+# The one copy of the skills: package data, read by install through importlib.resources.
+SKILLS = REPO / "loom_mcp" / SKILLS_PACKAGE_DIR
 SKILL_DIRS = sorted(p.parent for p in SKILLS.glob("*/SKILL.md"))
 
 # The loop's tools: the loop skill must cover each of them.
@@ -169,14 +181,24 @@ def _tree(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_packaged_copy_is_identical():
-    assert _tree(PACKAGED) == _tree(SKILLS), (
-        "loom_mcp/skills_data/ must equal skills/ (the installed package ships that copy): "
-        "rm -rf loom_mcp/skills_data && cp -r skills loom_mcp/skills_data"
-    )
+def test_package_data_ships_every_skill_file():
+    """pyproject's package-data globs (what a wheel and `pip install -e .` ship) cover them all."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["loom_mcp"]
+    package = REPO / "loom_mcp"
+    shipped = {
+        Path(match).as_posix()
+        for pattern in patterns
+        for match in glob.glob(pattern, root_dir=package, recursive=True)
+        if (package / match).is_file()
+    }
+    files = {f"{SKILLS_PACKAGE_DIR}/{rel}" for rel in _tree(SKILLS)}
+    assert files and files <= shipped, f"not shipped: {sorted(files - shipped)}"
+    assert not (REPO / "skills").exists(), "the skills live only in loom_mcp/skills_data/"
 
 
 def test_install_finds_the_packaged_skills():
+    assert Path(str(packaged_skills())) == SKILLS
     found = skill_files()
     assert set(found) == {p.name for p in SKILL_DIRS}
     for name, files in found.items():
