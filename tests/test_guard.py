@@ -525,6 +525,27 @@ def test_install_is_once_per_process(tmp_path):
     assert result["outcome"]["second"] == "the guard is already installed in this process"
 
 
+@pytest.mark.parametrize("watched", ["guard_module", "'loom_mcp.worker.guard'"])
+def test_watching_the_guard_watches_the_modules_its_hook_is_built_from(tmp_path, watched):
+    # The hook's code lives in guard_hook and guard_paths: rebinding their globals is tampering too.
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from loom_mcp.worker import guard as guard_module
+        violations = guard_module.install([], watch=[{watched}]).violations
+        sys.modules["loom_mcp.worker.guard_paths"]._lexical = str
+        sys.modules["loom_mcp.worker.guard_hook"].EVENT_CHECKS = {{}}
+        print(json.dumps(violations()))
+    """))
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    details = {v["detail"] for v in json.loads(proc.stdout) if v["check"] == "guard.harness_tamper"}
+    assert details == {"loom_mcp.worker.guard_paths._lexical rebound",
+                       "loom_mcp.worker.guard_hook.EVENT_CHECKS rebound"}
+
+
 def test_findings_summarise_one_per_check():
     violations = [
         {"check": "guard.ctypes", "severity": "error", "message": "used ctypes", "where": "c.py:3",

@@ -10,7 +10,8 @@ a `check(out, ref)` function, `flops(**shape)`, `bytes_moved(**shape)`, `NONDETE
 rerun of a Model that already computes in float64.
 
 Every problem is a `LoomError(BAD_INPUT)` naming `file:line`, so the agent (or the human writing
-the task) can fix it without guessing.
+the task) can fix it without guessing. The AST reading underneath is loom_mcp.validate.source_ast;
+`task_globals` are checked in loom_mcp.validate.task_globals (re-exported here).
 """
 
 from __future__ import annotations
@@ -23,8 +24,21 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, GateConfig, Tolerance
+from loom_mcp.validate.source_ast import (
+    _assigned_value,
+    _fail,
+    _literal,
+    _module_constants,
+    _NotLiteral,
+    _parse,
+    _read_source,
+    _top_level,
+)
+from loom_mcp.validate.task_globals import TaskGlobalValue as TaskGlobalValue  # re-exported
+from loom_mcp.validate.task_globals import assigned_globals as assigned_globals  # re-exported
+from loom_mcp.validate.task_globals import check_task_globals as check_task_globals  # re-exported
+from loom_mcp.validate.task_globals import parse_task_globals as parse_task_globals  # re-exported
 
 DEFAULT_SHAPE_NAME = "default"
 
@@ -134,19 +148,7 @@ class CandidateSpec(_Model):
     forward: Signature | None = Field(default=None, description="None when inherited")
 
 
-# ---------------------------------------------------------------- helpers
-
-
-def _fail(path: str, line: int | None, message: str) -> LoomError:
-    where = f"{path}:{line}" if line else path
-    return LoomError(ErrorCode.BAD_INPUT, f"{where}: {message}")
-
-
-def _parse(source: str, path: str) -> ast.Module:
-    try:
-        return ast.parse(source, filename=path)
-    except SyntaxError as exc:
-        raise _fail(path, exc.lineno, f"syntax error: {exc.msg}") from exc
+# ---------------------------------------------------------------- signatures
 
 
 def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, method: bool) -> Signature:
@@ -167,114 +169,6 @@ def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda, method: 
         varkw=a.kwarg is not None,
         line=getattr(fn, "lineno", None),
     )
-
-
-class _NotLiteral(Exception):
-    def __init__(self, node: ast.AST, why: str) -> None:
-        super().__init__(why)
-        self.node = node
-        self.why = why
-
-
-_BINOPS = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.FloorDiv: lambda a, b: a // b,
-    ast.Div: lambda a, b: a / b,
-    ast.Mod: lambda a, b: a % b,
-    ast.Pow: lambda a, b: a**b,
-    ast.LShift: lambda a, b: a << b,
-    ast.RShift: lambda a, b: a >> b,
-}
-
-
-def _literal(node: ast.AST, consts: dict[str, Any]) -> Any:
-    """Evaluate a literal with integer arithmetic and module constants (`N = 2048 * 2`).
-
-    Nothing is executed: only constants, containers, + - * / // % ** << >>, names of constants
-    evaluated the same way, and dict(...) with keyword arguments.
-    """
-    if isinstance(node, ast.Constant):
-        if isinstance(node.value, (int, float, str, bool)) or node.value is None:
-            return node.value
-        raise _NotLiteral(node, f"{type(node.value).__name__} constants are not allowed")
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e, consts) for e in node.elts]
-    if isinstance(node, ast.Dict):
-        out: dict[Any, Any] = {}
-        for k, v in zip(node.keys, node.values, strict=True):
-            if k is None:
-                raise _NotLiteral(node, "** unpacking is not allowed")
-            out[_literal(k, consts)] = _literal(v, consts)
-        return out
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "dict"
-        and not node.args
-        and all(kw.arg for kw in node.keywords)
-    ):
-        return {kw.arg: _literal(kw.value, consts) for kw in node.keywords}
-    if isinstance(node, ast.Name):
-        if node.id in consts:
-            return consts[node.id]
-        raise _NotLiteral(node, f"{node.id} is not a module-level constant")
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _literal(node.operand, consts)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise _NotLiteral(node, "unary +/- needs a number")
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        a = _literal(node.left, consts)
-        b = _literal(node.right, consts)
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
-            raise _NotLiteral(node, "arithmetic needs numbers")
-        # Bound exponents and shifts so a hostile file cannot make the server compute forever.
-        if isinstance(node.op, ast.Pow) and abs(b) > 64:
-            raise _NotLiteral(node, "exponent too large")
-        if isinstance(node.op, (ast.LShift, ast.RShift)) and not (0 <= b <= 64):
-            raise _NotLiteral(node, "shift out of range")
-        try:
-            return _BINOPS[type(node.op)](a, b)
-        except (ZeroDivisionError, OverflowError) as exc:
-            raise _NotLiteral(node, str(exc)) from exc
-    raise _NotLiteral(node, f"{type(node).__name__} is not a literal")
-
-
-def _module_constants(tree: ast.Module) -> dict[str, Any]:
-    """Top-level `NAME = <literal>` assignments, in order (later ones may use earlier ones)."""
-    consts: dict[str, Any] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target = stmt.targets[0]
-            if isinstance(target, ast.Name):
-                try:
-                    consts[target.id] = _literal(stmt.value, consts)
-                except _NotLiteral:
-                    consts.pop(target.id, None)
-    return consts
-
-
-def _top_level(tree: ast.Module) -> dict[str, ast.stmt]:
-    """Last top-level binding of each name (def, class, or assignment)."""
-    found: dict[str, ast.stmt] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            found[stmt.name] = stmt
-        elif isinstance(stmt, ast.Assign):
-            for t in stmt.targets:
-                if isinstance(t, ast.Name):
-                    found[t.id] = stmt
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            found[stmt.target.id] = stmt
-    return found
-
-
-def _assigned_value(stmt: ast.stmt) -> ast.expr | None:
-    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-        return stmt.value
-    return None
 
 
 def _method(cls: ast.ClassDef, name: str) -> Signature | None:
@@ -524,14 +418,7 @@ def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
 
 
 def read_task(path: str | Path) -> TaskSpec:
-    p = Path(path)
-    try:
-        source = p.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise LoomError(ErrorCode.NOT_FOUND, f"{p}: task file not found") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(str(p), None, f"cannot read the task file: {exc}") from exc
-    return parse_task_source(source, str(p))
+    return parse_task_source(*_read_source(path, "task"))
 
 
 def parse_candidate_source(source: str, path: str = "candidate.py") -> CandidateSpec:
@@ -557,14 +444,7 @@ def parse_candidate_source(source: str, path: str = "candidate.py") -> Candidate
 
 
 def read_candidate(path: str | Path) -> CandidateSpec:
-    p = Path(path)
-    try:
-        source = p.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise LoomError(ErrorCode.NOT_FOUND, f"{p}: candidate file not found") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(str(p), None, f"cannot read the candidate file: {exc}") from exc
-    return parse_candidate_source(source, str(p))
+    return parse_candidate_source(*_read_source(path, "candidate"))
 
 
 def check_compatible(task: TaskSpec, candidate: CandidateSpec) -> None:
@@ -598,62 +478,3 @@ def effective_tolerances(
     if task is not None and task.tolerance:
         table.update(task.tolerance)
     return table
-
-
-TaskGlobalValue = bool | int | float | str | list[int | float]
-
-
-def assigned_globals(tree: ast.Module) -> list[str]:
-    """Names a task binds at module level by plain assignment (`batch_size = 16`), in order."""
-    names: dict[str, None] = {}
-    for stmt in tree.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
-            [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
-        for target in targets:
-            for node in ast.walk(target):
-                if isinstance(node, ast.Name):
-                    names[node.id] = None
-    return list(names)
-
-
-def check_task_globals(source: str, path: str, overrides: dict[str, Any] | None
-                       ) -> dict[str, TaskGlobalValue]:
-    """`task_globals` checked against the task: only names it assigns at module level, each a
-    number, string, bool or list of numbers. The workers set them after importing the task and
-    before get_init_inputs()/get_inputs() (KernelBench's read `batch_size`, `dim`, ... there)."""
-    if not overrides:
-        return {}
-    known = assigned_globals(_parse(source, path))
-    unknown = sorted(set(overrides) - set(known))
-    if unknown:
-        raise LoomError(ErrorCode.BAD_INPUT,
-                        f"task_globals names {', '.join(unknown)}, which {path} does not assign at "
-                        f"module level; it assigns: {', '.join(known) or 'nothing'}")
-    checked: dict[str, TaskGlobalValue] = {}
-    for name, value in overrides.items():
-        numbers = isinstance(value, list) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        if not (isinstance(value, (bool, int, float, str)) or numbers):
-            raise LoomError(ErrorCode.BAD_INPUT,
-                            f"task_globals[{name!r}] = {value!r}: a value must be a number, a string, "
-                            "a bool or a list of numbers")
-        checked[name] = value
-    return dict(sorted(checked.items()))
-
-
-def parse_task_globals(assignments: list[str]) -> dict[str, TaskGlobalValue]:
-    """`name=value` strings (the CLI's --set): a JSON value where one parses (numbers, true,
-    [1, 2]), else the text itself."""
-    import json
-
-    parsed: dict[str, TaskGlobalValue] = {}
-    for item in assignments:
-        name, sep, text = item.partition("=")
-        if not sep or not name.strip().isidentifier():
-            raise LoomError(ErrorCode.BAD_INPUT, f"--set {item!r}: expected name=value, e.g. batch_size=2")
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = text
-        parsed[name.strip()] = value
-    return parsed

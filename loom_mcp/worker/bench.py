@@ -32,16 +32,8 @@ from typing import Any
 
 import torch
 
-from loom_mcp.worker import exchange, handoff
-from loom_mcp.worker.harness import (
-    apply_task_globals,
-    as_output_list,
-    build_model,
-    load_module,
-    pick_device,
-    synchronize,
-    to_device,
-)
+from loom_mcp.worker import exchange, handoff, under_test
+from loom_mcp.worker.harness import as_output_list, build_model, pick_device, synchronize, to_device
 from loom_mcp.worker.protocol import exit_now, read_request, send_result
 
 # Harness functions a candidate has no business replacing. Timing no longer happens in this
@@ -69,9 +61,9 @@ class Arm:
             # its core, so on a loaded machine the arm whose ops happen to parallelise was timed
             # hundreds of times slower than the other (seen on a 2-core CI machine).
             torch.set_num_threads(1)
-        module = load_module(request["module"], f"loom_bench_{request['role']}")
-        apply_task_globals(module, request.get("task_globals"), strict=False)
-        self.model_cls = getattr(module, request["class_name"])
+        self.model_cls = under_test.load_model_class(
+            request["module"], f"loom_bench_{request['role']}", request["class_name"],
+            request.get("task_globals"))
         self.cases_file = request["cases_file"]
         self.shapes: list[dict] = []
         self.graph_below_s = float(request.get("graph_below_s") or 0.0)
@@ -261,7 +253,8 @@ def main() -> None:
         from loom_mcp.worker import guard as guard_module
 
         violations = guard_module.install(  # type: ignore[assignment]
-            [request["module"]], watch=[sys.modules[__name__], guard_module]).violations
+            [request["module"]],
+            watch=[sys.modules[__name__], under_test, guard_module]).violations
     try:
         arm = Arm(request)
     except Exception as exc:

@@ -22,12 +22,10 @@ from typing import Any
 import torch
 
 from loom_mcp.worker import guard as guard_module
-from loom_mcp.worker import handoff, harness, protocol
+from loom_mcp.worker import handoff, harness, protocol, under_test
 from loom_mcp.worker.harness import (
-    apply_task_globals,
     as_output_list,
     build_model,
-    load_module,
     pick_device,
     synchronize,
     to_device,
@@ -146,12 +144,12 @@ def main() -> None:
     # this function's locals). See loom_mcp.worker.guard.
     violations = guard_module.install(
         [request["candidate"]],
-        watch=[sys.modules[__name__], harness, handoff, protocol, guard_module]).violations
+        watch=[sys.modules[__name__], harness, handoff, protocol, under_test,
+               guard_module]).violations
     send = send_result
     try:
-        module = load_module(request["candidate"], "loom_candidate")
-        apply_task_globals(module, request.get("task_globals"), strict=False)
-        model_cls = module.ModelNew
+        model_cls = under_test.load_model_class(request["candidate"], "loom_candidate", "ModelNew",
+                                                request.get("task_globals"))
         mark("candidate_imported")
     except Exception as exc:
         send({"load_error": user_traceback(exc, request["candidate"]), "cases": [],
