@@ -149,3 +149,48 @@ async def test_what_an_arm_sends_is_its_own_failure_never_the_servers(tmp_path, 
         await conn.stream.aclose()
         if sent:
             await peer.aclose()
+
+
+OUTER_TASK = '''
+import torch
+
+N = 8256  # an N x N float32 output: 273 MB, far more than 8x the inputs (66 KB)
+
+
+class Model(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+def get_inputs():
+    return [torch.randn(N, 1), torch.randn(1, N)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_outputs_as_large_as_the_baselines_are_timed_and_larger_ones_refused(workspace):
+    """A GEMM with a small K writes far more than its inputs: the timer sizes output slots for
+    what the baseline returns. A candidate asking for more than that is refused."""
+    (workspace / "outer").mkdir(exist_ok=True)
+    task = workspace / "outer" / "task.py"
+    task.write_text(OUTER_TASK)
+    honest = workspace / "outer" / "honest.py"
+    honest.write_text(OUTER_TASK.replace("class Model", "class ModelNew"))
+    greedy = workspace / "outer" / "greedy.py"
+    greedy.write_text(OUTER_TASK.replace("class Model", "class ModelNew").replace(
+        "return a @ b", "return torch.cat([a @ b, a @ b])"))
+    server = build_server(load_config(workspace / "home",
+                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    async with Client(server) as client:
+        timed = await client.call_tool("benchmark", {"task": str(task), "candidate": str(honest)})
+        refused = await client.call_tool("benchmark", {"task": str(task), "candidate": str(greedy)})
+    assert timed.is_error is False, timed.content
+    assert timed.structured_content["shapes"][0]["speedup"] > 0
+    assert refused.is_error is True
+    text = refused.content[0].text
+    assert "candidate" in text and "545292288 bytes: more than the 272646144 allowed" in text, text

@@ -306,6 +306,14 @@ def code_classifier(candidate_file: str | Path):
         return any(path == r or path.startswith(r.rstrip("/") + "/")
                    or (r.endswith("_") and path.startswith(r)) for r in roots)
 
+    # Every import root this process cannot write (the sandbox mounts them read-only) and that
+    # holds no candidate file: a distribution's packages may sit apart from torch's (e.g.
+    # /usr/lib/python3/dist-packages, where tqdm's monitor thread comes from).
+    libraries = libraries + sorted(
+        os.path.realpath(p) for p in sys.path
+        if p and os.path.isabs(p) and os.path.isdir(p) and not os.access(p, os.W_OK)
+        and not any(under(d, [os.path.realpath(p), os.path.abspath(p)]) for d in cand_dirs))
+
     def kind_of(name: str) -> str:
         if name.startswith("<frozen "):
             return "stdlib"

@@ -182,7 +182,8 @@ class Timer:
         self.current = {"pristine": pristine, "live": live}
         replies = {role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared})
                    for role, arm in self.arms.items()}
-        cap = max(MIN_OUTPUT_CAP, OUTPUT_CAP_PER_INPUT * input_bytes(pristine[0]))
+        cap = max(MIN_OUTPUT_CAP, OUTPUT_CAP_PER_INPUT * input_bytes(pristine[0]),
+                  self._baseline_output_bytes(replies.get("baseline")))
         for role, arm in self.arms.items():
             specs = replies[role].get("specs")
             if not isinstance(specs, list) or not 0 < len(specs) <= MAX_OUTPUTS:
@@ -192,14 +193,30 @@ class Timer:
             for spec in self.specs[role]:
                 exchange.dtype_named(spec["dtype"])
             out_dir = None if self.gpu else self._fresh(self.exchange / f"out-{role}" / str(shape_index))
-            self.slots[role], described = exchange.output_slots(self.specs[role], out_dir,
-                                                                self.device, cap)
+            try:
+                self.slots[role], described = exchange.output_slots(self.specs[role], out_dir,
+                                                                    self.device, cap)
+            except ValueError as exc:  # the arm asked for more than its outputs can need
+                raise ArmFailed(role, str(exc)) from None
             arm.ask({"op": "bind", "slots": described})
             self.copy_s[role] = self._copy_cost(self.slots[role])
         for reply in replies.values():
             reply.pop("specs", None)
         return {"sets": len(live), "graph": any(r.get("graph") for r in replies.values()),
                 "arms": replies, "copy_s": self.copy_s}
+
+    def _baseline_output_bytes(self, reply: dict | None) -> int:
+        """What the baseline (the task's Model, or an earlier accepted file) outputs per call:
+        a GEMM with a small K writes far more than 8x its inputs. The candidate may ask for as
+        much, never more; at most half the device's memory, so no arm can make the timer run
+        out of it."""
+        specs = (reply or {}).get("specs")
+        if not isinstance(specs, list):
+            return 0
+        total = sum(max(int(x.get("nbytes", 0)), 0) for x in specs if isinstance(x, dict))
+        if self.gpu:
+            total = min(total, torch.cuda.get_device_properties(self.device).total_memory // 2)
+        return total
 
     @staticmethod
     def _fresh(directory: Path) -> Path:
