@@ -8,8 +8,15 @@ name, but a bare `kernel_0` launched under `aten::mm` is still a GEMM).
 from __future__ import annotations
 
 import re
+import sys
+from importlib import resources
 
 from loom_mcp.traces.events import KIND_KERNEL
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 GEMM = "GEMM"
 ATTENTION = "attention"
@@ -38,89 +45,28 @@ CATEGORIES = (
 )
 
 
-def _re(p: str) -> re.Pattern[str]:
-    return re.compile(p, re.IGNORECASE)
+def _load_rules() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
+    """categories.toml's rule lists by table ("kernel", "op"), in file order."""
+    path = resources.files("loom_mcp.traces").joinpath("categories.toml")
+    tables = tomllib.loads(path.read_text(encoding="utf-8"))
+    built: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
+    for table, entries in tables.items():
+        rules = built.setdefault(table, [])
+        for entry in entries:
+            category, pattern = entry["category"], entry["pattern"]
+            if category not in CATEGORIES:
+                raise ValueError(f"categories.toml: unknown category {category!r} in [[{table}]]")
+            flags = re.IGNORECASE if entry.get("ignore_case", True) else 0
+            text = "".join(pattern) if isinstance(pattern, list) else pattern
+            rules.append((category, re.compile(text, flags)))
+    return built
 
 
-# Ordered: the first match wins. Communication and copies first (they are timed separately in
-# the timeline); attention and MoE before GEMM because their kernels often contain GEMM words
-# (flash kernels are templated on cutlass types, MoE kernels are grouped GEMMs).
-_KERNEL_RULES: list[tuple[str, re.Pattern[str]]] = [
-    (
-        COMM,
-        _re(
-            r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|cross_device_reduce|"
-            r"multimem|custom_?ar|sendrecv|msccl|quickreduce|one_?shot_all|two_?shot_all"
-        ),
-    ),
-    (MEMCPY, _re(r"__amd_rocclr_(copy|fill)|copyBuffer|fillBuffer|^memcpy|^memset")),
-    (TRITON, re.compile(r"^triton_")),
-    (
-        ATTENTION,
-        _re(
-            r"flash|fmha|attn|attention|sdpa|_mha|mha_|paged_?atten|xformers|flashinfer|"
-            r"decode_?atten|mla_|_mla|unified_atten|context_atten|prefill_atten"
-        ),
-    ),
-    (MOE, _re(r"moe|expert|topk_gating|grouped_?gemm|permute_tokens|moe_align|fused_moe")),
-    (
-        GEMM,
-        _re(
-            r"gemm|gemv|cublas|nvjet|xmma|^Cijk_|matmul|wgmma|tensorop|s16816|hgemm|sgemm|"
-            r"igemm|implicit_?gemm|winograd|convolution|conv[123]d|_conv_|conv_fwd|conv_bwd|"
-            r"splitKreduce|hipblaslt|cutlass::Kernel|ck::.*Gemm|_mm_|bmm_|cutlass_\d+"
-        ),
-    ),
-    (
-        NORM,
-        _re(
-            r"layer_?norm|rms_?norm|batch_?norm|group_?norm|instance_?norm|l2_?norm|"
-            r"GammaBeta|norm_kernel|_norm_|fused_add_rms|lpnorm"
-        ),
-    ),
-    (QUANT, _re(r"quant|fp8|fp4|e4m3|e5m2|mxfp|nvfp4|marlin|awq|gptq|int4|int8")),
-    (ELEMENTWISE, _re(r"elementwise|vectorized_|unrolled_|pointwise")),
-    (
-        REDUCTION,
-        _re(
-            r"reduce|softmax|argmax|argmin|topk|top_k|sort|scan|cumsum|cumprod|radix|"
-            r"segmented|histogram|logsumexp|cross_entropy|nll_loss|sum_kernel|mean_kernel"
-        ),
-    ),
-    (
-        ELEMENTWISE,
-        _re(
-            r"copy|fill|cat_?array|CatArray|index|gather|scatter|transpose|permute|"
-            r"dropout|activation|act_and_mul|silu|gelu|relu|sigmoid|tanh|rotary|rope|"
-            r"embedding|where|masked|clamp|arange|pad|upsample|pool|multi_tensor_apply|"
-            r"bitwise|compare|TensorOp|kv_?cache|store_kv|clamp_position|resolve_future|"
-            r"cast|convert|add_kernel|mul_kernel"
-        ),
-    ),
-]
-
-_OP_RULES: list[tuple[str, re.Pattern[str]]] = [
-    (COMM, _re(r"nccl|c10d|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast_")),
-    (ATTENTION, _re(r"attention|flash|sdpa|_attn")),
-    (MOE, _re(r"moe|expert")),
-    (
-        GEMM,
-        _re(
-            r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv|conv|"
-            r"convolution|_convolution|cudnn_convolution|miopen_convolution)"
-        ),
-    ),
-    (NORM, _re(r"norm")),
-    (QUANT, _re(r"quant")),
-    (
-        REDUCTION,
-        _re(
-            r"softmax|^aten::(sum|mean|amax|amin|max|min|argmax|argmin|topk|sort|cumsum|"
-            r"prod|var|std|any|all|logsumexp)\b"
-        ),
-    ),
-    (ELEMENTWISE, _re(r"^aten::")),
-]
+# Ordered: the first match wins (categories.toml says why the order is what it is). Kernel names
+# decide; the launching op's name is the fallback.
+_RULES = _load_rules()
+_KERNEL_RULES: list[tuple[str, re.Pattern[str]]] = _RULES["kernel"]
+_OP_RULES: list[tuple[str, re.Pattern[str]]] = _RULES["op"]
 
 
 def timeline_bucket(category: str) -> str:
