@@ -73,8 +73,7 @@ def start_campaign(
         task_path = str(resolved)
     if task_globals:
         if task_path is None:
-            raise LoomError(ErrorCode.BAD_INPUT, "task_globals override a task's module-level names; "
-                            "name the task too")
+            raise LoomError(ErrorCode.BAD_INPUT, "task_globals override a task's module-level names; name the task too")
         from loom_mcp.judge import checked_task_globals
 
         task_globals = checked_task_globals(Path(task_path), task_globals)
@@ -129,8 +128,7 @@ def campaign_task_globals(campaign: dict[str, Any]) -> dict[str, Any]:
     return orjson.loads(raw) if raw else {}
 
 
-def resolve_task_globals(campaign: dict[str, Any] | None, given: dict[str, Any] | None
-                         ) -> dict[str, Any] | None:
+def resolve_task_globals(campaign: dict[str, Any] | None, given: dict[str, Any] | None) -> dict[str, Any] | None:
     """A call's task_globals: the campaign's when the call names none."""
     if given or campaign is None:
         return given

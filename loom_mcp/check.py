@@ -11,8 +11,14 @@ from loom_mcp.config import LoomConfig
 from loom_mcp.errors import LoomError
 
 
-async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
-                 shapes: list[str] | None, task_globals: dict | None = None) -> dict:
+async def _check(
+    config: LoomConfig,
+    task: str,
+    candidate: str,
+    baseline: str | None,
+    shapes: list[str] | None,
+    task_globals: dict | None = None,
+) -> dict:
     from loom_mcp import judge
     from loom_mcp.gate import decide
     from loom_mcp.judge_models import CompileEvidence
@@ -20,23 +26,46 @@ async def _check(config: LoomConfig, task: str, candidate: str, baseline: str | 
 
     services = open_services(config)
     validation, evidence, _ = await judge.run_validation(
-        config, services.ledger, services.artifacts, task=task, candidate=candidate, seeds=None,
-        shapes=shapes, campaign_id=None, progress=None, task_globals=task_globals)
+        config,
+        services.ledger,
+        services.artifacts,
+        task=task,
+        candidate=candidate,
+        seeds=None,
+        shapes=shapes,
+        campaign_id=None,
+        progress=None,
+        task_globals=task_globals,
+    )
     out: dict = {"validation": validation.model_dump(), "task_globals": task_globals or {}}
     bench_evidence = None
     if validation.passed:
         bench, bench_evidence, findings, _ = await judge.run_benchmark(
-            config, services.ledger, services.artifacts, task=task, candidate=candidate,
-            baseline=baseline, shapes=shapes, campaign_id=None, progress=None,
-            task_globals=task_globals)
+            config,
+            services.ledger,
+            services.artifacts,
+            task=task,
+            candidate=candidate,
+            baseline=baseline,
+            shapes=shapes,
+            campaign_id=None,
+            progress=None,
+            task_globals=task_globals,
+        )
         out["benchmark"] = bench.model_dump()
     verdict = decide(CompileEvidence(ok=True), evidence, bench_evidence, config.gate)
     out["verdict"] = verdict.model_dump()
     return out
 
 
-def run_check(config: LoomConfig, task: str, candidate: str, baseline: str | None,
-              shapes: list[str] | None, assignments: list[str] | None = None) -> int:
+def run_check(
+    config: LoomConfig,
+    task: str,
+    candidate: str,
+    baseline: str | None,
+    shapes: list[str] | None,
+    assignments: list[str] | None = None,
+) -> int:
     import orjson
 
     from loom_mcp.validate.taskfile import parse_task_globals

@@ -25,9 +25,11 @@ TOKEN_MIN_LENGTH = 16
 TOKEN_MIN_DISTINCT = 8
 # RFC 6750 b64token: what a client can put after "Bearer " unchanged (no spaces, no quotes).
 _B64TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/")
-TOKEN_RULE = (f"at least {TOKEN_MIN_LENGTH} characters, at least {TOKEN_MIN_DISTINCT} of them "
-              "different, only letters, digits and - . _ ~ + / (then optional trailing =), no "
-              "whitespace; make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+TOKEN_RULE = (
+    f"at least {TOKEN_MIN_LENGTH} characters, at least {TOKEN_MIN_DISTINCT} of them "
+    "different, only letters, digits and - . _ ~ + / (then optional trailing =), no "
+    "whitespace; make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+)
 
 EXIT_CONFIG = 2  # loom.toml, flags, the HTTP token: the human's settings
 EXIT_STATE = 3  # LOOM_HOME cannot be used: damaged ledger, read-only or full filesystem
@@ -63,15 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"loom-mcp {__version__}")
     parser.add_argument("--home", type=Path, help="state directory (ledger, artifacts); env LOOM_HOME")
-    parser.add_argument("--log-level", default=os.environ.get("LOOM_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level", default=os.environ.get("LOOM_LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--stdio", action="store_true", help="serve MCP over stdio (the default)")
     mode.add_argument("--http", action="store_true", help="serve MCP over streamable HTTP at /mcp")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     parser.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
-    parser.add_argument("--allow-remote", action="store_true",
-                        help=f"permit a non-loopback bind; requires a bearer token in ${TOKEN_ENV}")
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help=f"permit a non-loopback bind; requires a bearer token in ${TOKEN_ENV}",
+    )
     sub = parser.add_subparsers(dest="command")
     doctor = sub.add_parser("doctor", help="report devices, toolchains, profilers and what will not work")
     doctor.add_argument("--json", action="store_true", help="machine-readable report")
@@ -82,8 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--candidate", required=True)
     check.add_argument("--baseline")
     check.add_argument("--shapes", help="comma-separated shape names")
-    check.add_argument("--set", dest="task_globals", action="append", default=[], metavar="NAME=VALUE",
-                       help="override a module-level name of the task (batch_size=2); repeatable")
+    check.add_argument(
+        "--set",
+        dest="task_globals",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a module-level name of the task (batch_size=2); repeatable",
+    )
     add_install_parser(sub)
     return parser
 
@@ -106,8 +118,11 @@ def refuse(exc: Exception, status: int) -> int:
 def exit_status_for(exc: Exception) -> int:
     from loom_mcp.errors import ErrorCode, LoomError
 
-    if isinstance(exc, LoomError) and exc.code in (ErrorCode.CONFIG_INVALID, ErrorCode.BAD_INPUT,
-                                                   ErrorCode.NOT_ALLOWED):
+    if isinstance(exc, LoomError) and exc.code in (
+        ErrorCode.CONFIG_INVALID,
+        ErrorCode.BAD_INPUT,
+        ErrorCode.NOT_ALLOWED,
+    ):
         return EXIT_CONFIG
     return EXIT_STATE
 
@@ -147,8 +162,14 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from loom_mcp.check import run_check
 
-        return run_check(config, args.task, args.candidate, args.baseline,
-                         args.shapes.split(",") if args.shapes else None, args.task_globals)
+        return run_check(
+            config,
+            args.task,
+            args.candidate,
+            args.baseline,
+            args.shapes.split(",") if args.shapes else None,
+            args.task_globals,
+        )
 
     if args.http:
         return serve_http(config, args.host, args.port, args.allow_remote)
@@ -165,8 +186,7 @@ def serve_http(config, host: str, port: int, allow_remote: bool) -> int:
     token = os.environ.get(TOKEN_ENV)
     if not is_loopback(host):
         if not allow_remote:
-            log.error("refusing to bind %s: not a loopback address; pass --allow-remote and set $%s",
-                      host, TOKEN_ENV)
+            log.error("refusing to bind %s: not a loopback address; pass --allow-remote and set $%s", host, TOKEN_ENV)
             return EXIT_CONFIG
         if not token:
             log.error("--allow-remote needs a bearer token in $%s: %s", TOKEN_ENV, TOKEN_RULE)
@@ -174,8 +194,7 @@ def serve_http(config, host: str, port: int, allow_remote: bool) -> int:
     if token:  # a weak token is refused on loopback too: it is what guards the server then
         problem = token_problem(token)
         if problem:
-            log.error("$%s is not an acceptable bearer token (%s); it must have %s",
-                      TOKEN_ENV, problem, TOKEN_RULE)
+            log.error("$%s is not an acceptable bearer token (%s); it must have %s", TOKEN_ENV, problem, TOKEN_RULE)
             return EXIT_CONFIG
 
     import uvicorn
@@ -206,9 +225,13 @@ class BearerAuth:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"text/plain"),
-                                        (b"www-authenticate", b"Bearer")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"text/plain"), (b"www-authenticate", b"Bearer")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": b"missing or wrong bearer token\n"})
                 return
         await self.app(scope, receive, send)

@@ -74,9 +74,7 @@ CODEX_ENV_VARS: tuple[str, ...] = (
 # toolchain, and a benchmark or validation over a shape sweep runs for minutes.
 CODEX_STARTUP_TIMEOUT_SEC = 30
 CODEX_TOOL_TIMEOUT_SEC = 1800
-TOML_COMMENT = (
-    "loom-mcp GPU optimization server; `loom-mcp install --client codex` rewrites this table"
-)
+TOML_COMMENT = "loom-mcp GPU optimization server; `loom-mcp install --client codex` rewrites this table"
 
 
 class InstallError(Exception):
@@ -255,9 +253,7 @@ def _without_loom(data: dict[str, Any]) -> dict[str, Any]:
     return copy
 
 
-def _loom_parts(
-    body: list[tuple[Any, Item]], depth: int = 0, dotted: bool = False
-) -> list[tuple[Item, bool]]:
+def _loom_parts(body: list[tuple[Any, Item]], depth: int = 0, dotted: bool = False) -> list[tuple[Item, bool]]:
     """Every place the document defines mcp_servers.loom: (item, reached through dotted keys)."""
     want = ("mcp_servers", SERVER_NAME)[depth]
     parts: list[tuple[Item, bool]] = []
@@ -302,9 +298,7 @@ def merge_toml(path: Path, old_text: str | None, entry: dict[str, Any]) -> Merge
         before = tomllib.loads(old_text)
         doc = tomlkit.parse(old_text)
     except (tomllib.TOMLDecodeError, TOMLKitError) as exc:
-        raise InstallError(
-            f"{path} is not valid TOML ({exc}); fix it, then run install again"
-        ) from exc
+        raise InstallError(f"{path} is not valid TOML ({exc}); fix it, then run install again") from exc
     servers = before.get("mcp_servers", {})
     if not isinstance(servers, dict):
         raise InstallError(f"{path}: 'mcp_servers' is not a table")

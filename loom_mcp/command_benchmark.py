@@ -21,10 +21,23 @@ from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 
 
 async def run_command_benchmark(
-    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, command: list[str],
-    baseline_command: list[str] | None, metrics: list[str] | None, runs: int, parser: ParserName,
-    metrics_file: str | None, cwd: str | None, warmup: int, baseline_revision: str | None,
-    revision: str | None, repo: str | None, campaign_id: str | None, progress: Progress | None,
+    config: LoomConfig,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    *,
+    command: list[str],
+    baseline_command: list[str] | None,
+    metrics: list[str] | None,
+    runs: int,
+    parser: ParserName,
+    metrics_file: str | None,
+    cwd: str | None,
+    warmup: int,
+    baseline_revision: str | None,
+    revision: str | None,
+    repo: str | None,
+    campaign_id: str | None,
+    progress: Progress | None,
 ) -> CommandBenchmarkResult:
     if baseline_revision is None and (revision is not None or repo is not None):
         raise LoomError(ErrorCode.BAD_INPUT, "revision and repo need baseline_revision")
@@ -41,10 +54,20 @@ async def run_command_benchmark(
     async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
         async with judge.Leased(config, target, progress):
             result = await benchmark_commands(
-                baseline=baseline_command or command, candidate=command, metrics=metrics,
-                runs=runs, job_dir=job_dir, timeout_s=config.job_timeout_s, cwd=where,
-                env=None, parser=parser, metrics_file=metrics_file, warmup=warmup,
-                gate=config.gate, progress=progress)
+                baseline=baseline_command or command,
+                candidate=command,
+                metrics=metrics,
+                runs=runs,
+                job_dir=job_dir,
+                timeout_s=config.job_timeout_s,
+                cwd=where,
+                env=None,
+                parser=parser,
+                metrics_file=metrics_file,
+                warmup=warmup,
+                gate=config.gate,
+                progress=progress,
+            )
         return result
 
     if baseline_revision is None:
@@ -55,20 +78,26 @@ async def run_command_benchmark(
             campaign = ledger.campaign(campaign_id)
             repo_path = Path(campaign["repo"]) if campaign else None
         if repo_path is None:
-            raise LoomError(ErrorCode.BAD_INPUT,
-                            "revisions need repo (or cwd, or a campaign) to name the repository")
+            raise LoomError(ErrorCode.BAD_INPUT, "revisions need repo (or cwd, or a campaign) to name the repository")
         wanted: dict[Arm, str] = {"baseline": baseline_revision, "candidate": revision or "HEAD"}
         root = revisions_root(config.home, run_id)
         async with revision_checkouts(repo_path, wanted, root, cwd_path) as checkouts:
             result = await measure(checkouts.cwds)
         result.revisions = checkouts.commits
         result.findings += await anyio.to_thread.run_sync(
-            uncommitted_finding, repo_path, checkouts.commits["candidate"])
+            uncommitted_finding, repo_path, checkouts.commits["candidate"]
+        )
     result.benchmark_id = run_id
 
     samples_path = Path(result.samples_file)  # in the run's job directory: no link followed
     samples = orjson.loads(safefs.read_bytes(samples_path.parent, samples_path.name, 256 << 20))
-    judge.store_record(ledger, artifacts, run_id, "benchmark",
-                       {"mode": "command", "samples": samples, "result": result.model_dump()},
-                       result, campaign_id)
+    judge.store_record(
+        ledger,
+        artifacts,
+        run_id,
+        "benchmark",
+        {"mode": "command", "samples": samples, "result": result.model_dump()},
+        result,
+        campaign_id,
+    )
     return result

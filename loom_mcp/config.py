@@ -69,11 +69,15 @@ class LoomConfig(BaseModel):
     lease_timeout_s: float = Field(default=900.0, gt=0)
     # Sandbox limits per job (loom_mcp/sandbox/policy.py hands them to every JobSpec).
     job_memory_bytes: int = Field(
-        default_factory=lambda: _three_quarters_of_ram(), gt=0,
-        description="Memory of one job (cgroup memory.max, else RLIMIT_DATA); default 75% of RAM")
+        default_factory=lambda: _three_quarters_of_ram(),
+        gt=0,
+        description="Memory of one job (cgroup memory.max, else RLIMIT_DATA); default 75% of RAM",
+    )
     job_disk_bytes: int = Field(
-        default=16 << 30, gt=0,
-        description="What one job's directories may grow by (it is killed past it); also its /tmp size")
+        default=16 << 30,
+        gt=0,
+        description="What one job's directories may grow by (it is killed past it); also its /tmp size",
+    )
 
     _source: ConfigSource | None = PrivateAttr(default=None)
     _seen: tuple[tuple | None, str | None] | None = PrivateAttr(default=None)
@@ -143,16 +147,23 @@ class LoomConfig(BaseModel):
                 except LoomError as exc:
                     new_rules = None
                     problem = getattr(exc, "detail", exc.message)
-                    now = (f"sha256 {digest[:12]}, which no longer loads: [{exc.code.value}] "
-                           f"{problem}; the next start will refuse it")
+                    now = (
+                        f"sha256 {digest[:12]}, which no longer loads: [{exc.code.value}] "
+                        f"{problem}; the next start will refuse it"
+                    )
             before = f"sha256 {source.sha256[:12]}" if source.sha256 else "absent"
-            rules = (f"rules fingerprint {source.rules_fingerprint} -> {new_rules}"
-                     if new_rules and new_rules != source.rules_fingerprint
-                     else f"rules fingerprint still {source.rules_fingerprint}" if new_rules else
-                     f"rules fingerprint {source.rules_fingerprint} in force")
-            note = (f"loom.toml changed on disk since the server started ({source.path}: {before} -> "
-                    f"{now}; {rules}); the running server keeps the rules it started with; a human "
-                    "restarts it to apply the file")
+            rules = (
+                f"rules fingerprint {source.rules_fingerprint} -> {new_rules}"
+                if new_rules and new_rules != source.rules_fingerprint
+                else f"rules fingerprint still {source.rules_fingerprint}"
+                if new_rules
+                else f"rules fingerprint {source.rules_fingerprint} in force"
+            )
+            note = (
+                f"loom.toml changed on disk since the server started ({source.path}: {before} -> "
+                f"{now}; {rules}); the running server keeps the rules it started with; a human "
+                "restarts it to apply the file"
+            )
         self._seen = (key, note)
         return note
 
@@ -161,13 +172,17 @@ class LoomConfig(BaseModel):
         if "\0" in text:
             raise LoomError(ErrorCode.BAD_INPUT, f"{what} path contains a NUL byte")
         if len(text) > 4096 or any(len(part) > 255 for part in Path(text).parts):
-            raise LoomError(ErrorCode.BAD_INPUT, f"{what} path is longer than the file system "
-                            "allows (4096 bytes, 255 a component)")
+            raise LoomError(
+                ErrorCode.BAD_INPUT, f"{what} path is longer than the file system allows (4096 bytes, 255 a component)"
+            )
         if not path.expanduser().is_absolute():
             # Against the server's working directory it would name some other file: refuse.
-            raise LoomError(ErrorCode.BAD_INPUT, f"{what} {text[:300]!r} is a relative path; give an "
-                            "absolute path (tools that take campaign_id resolve relative paths against "
-                            "the campaign's repository)")
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"{what} {text[:300]!r} is a relative path; give an "
+                "absolute path (tools that take campaign_id resolve relative paths against "
+                "the campaign's repository)",
+            )
         try:
             resolved = path.expanduser().resolve()
         except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable component
@@ -202,9 +217,11 @@ def _recovery(config_file: Path) -> str:
     last = config_file.parent / "cache" / LAST_STARTED
     hint = f"fix {config_file} and start again (`loom-mcp doctor` checks it without serving)"
     if last.is_file() and file_sha256(last) != file_sha256(config_file):
-        hint += (f"; the last loom.toml a server started with is {last}: "
-                 f"`diff {shlex.quote(str(last))} {shlex.quote(str(config_file))}` shows what changed, "
-                 f"`cp {shlex.quote(str(last))} {shlex.quote(str(config_file))}` restores it")
+        hint += (
+            f"; the last loom.toml a server started with is {last}: "
+            f"`diff {shlex.quote(str(last))} {shlex.quote(str(config_file))}` shows what changed, "
+            f"`cp {shlex.quote(str(last))} {shlex.quote(str(config_file))}` restores it"
+        )
     return hint
 
 
@@ -302,7 +319,9 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None)
     try:
         config = LoomConfig.model_validate(data)
     except ValidationError as exc:  # an override from the environment that does not validate
-        raise LoomError(ErrorCode.CONFIG_INVALID, f"configuration from {config_file} and the "
-                        f"environment does not validate: {exc.errors()[0]['msg']}") from exc
+        raise LoomError(
+            ErrorCode.CONFIG_INVALID,
+            f"configuration from {config_file} and the environment does not validate: {exc.errors()[0]['msg']}",
+        ) from exc
     config._source = ConfigSource(path=config_file, sha256=sha, rules_fingerprint=rules)
     return config

@@ -60,9 +60,11 @@ def wall_clock_notice(home: Path) -> str | None:
 
     if not load_config(home, environ={}).gate.accept_wall_clock:
         return None
-    return (f"NOTE: this demo's own {home / CONFIG_FILE} sets [gate] accept_wall_clock = true, so "
-            "CPU wall-clock timings can be accepted here. That is a human's choice made for the "
-            "demo only: under the default policy a wall-clock result is needs_review, never accept.")
+    return (
+        f"NOTE: this demo's own {home / CONFIG_FILE} sets [gate] accept_wall_clock = true, so "
+        "CPU wall-clock timings can be accepted here. That is a human's choice made for the "
+        "demo only: under the default policy a wall-clock result is needs_review, never accept."
+    )
 
 
 def _short(data: dict[str, Any], keys: list[str]) -> str:
@@ -72,9 +74,19 @@ def _short(data: dict[str, Any], keys: list[str]) -> str:
 def server_env(home: Path) -> dict[str, str]:
     """The spawned server's environment. The MCP client passes only a minimal one, so the
     import path (a virtualenv's or a PYTHONPATH install) and the GPU selection are carried over."""
-    keep = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "ROCM_PATH",
-            "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
-            "LOOM_ALLOWED_ROOTS", "TMPDIR")
+    keep = (
+        "PATH",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "CUDA_HOME",
+        "ROCM_PATH",
+        "CUDA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "LOOM_ALLOWED_ROOTS",
+        "TMPDIR",
+    )
     env = {name: os.environ[name] for name in keep if name in os.environ}
     return env | {"LOOM_HOME": str(home), "PYTHONUNBUFFERED": "1"}
 
@@ -86,8 +98,9 @@ async def drive(workdir: Path, home: Path) -> int:
 
     repo = make_target_repo(workdir)
     notice = wall_clock_notice(home)
-    params = StdioServerParameters(command=sys.executable, args=["-m", "loom_mcp.cli", "--stdio", "--home", str(home)],
-                                   env=server_env(home))
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "loom_mcp.cli", "--stdio", "--home", str(home)], env=server_env(home)
+    )
     started = time.monotonic()
     sizes: dict[str, int] = {}
 
@@ -118,15 +131,17 @@ async def drive(workdir: Path, home: Path) -> int:
             _say("    no GPU: validation runs on CPU and every timing below is a CPU wall-clock timing")
 
         _say("[2/9] start_campaign on a fresh git repository")
-        campaign = await call(client, "start_campaign", {"repo": str(repo), "goal": "faster RMSNorm",
-                                                         "task": "task.py"})
+        campaign = await call(
+            client, "start_campaign", {"repo": str(repo), "goal": "faster RMSNorm", "task": "task.py"}
+        )
         cid = campaign["campaign_id"]
         _say(f"    campaign {cid}, base {campaign['base_commit'][:12]}")
 
         task, candidate, cheat = str(repo / "task.py"), str(repo / "candidate.py"), str(repo / "cheat.py")
         _say("[3/9] profile the reference and analyze the trace")
-        prof = await call(client, "profile", {"task": task, "shape": "batch_t64_h4096", "warmup": 2,
-                                              "active": 3, "campaign_id": cid})
+        prof = await call(
+            client, "profile", {"task": task, "shape": "batch_t64_h4096", "warmup": 2, "active": 3, "campaign_id": cid}
+        )
         for op in prof["top_ops"][:3]:
             _say(f"    {op['name']}: {op['us']:.1f} us ({op['pct']:.0f} %)")
         analysis = await call(client, "analyze_trace", {"trace": prof["trace_id"], "top_k": 5})
@@ -134,7 +149,11 @@ async def drive(workdir: Path, home: Path) -> int:
 
         _say("[4/9] compile_kernel (Triton)")
         compiled = await call(client, "compile_kernel", {"source": candidate, "language": "triton", "task": task})
-        _say("    " + _short(compiled, ["ok", "target", "cached"]) + f", kernels={[k['name'] for k in compiled['kernels']]}")
+        _say(
+            "    "
+            + _short(compiled, ["ok", "target", "cached"])
+            + f", kernels={[k['name'] for k in compiled['kernels']]}"
+        )
 
         _say("[5/9] run_validation")
         valid = await call(client, "run_validation", {"task": task, "candidate": candidate, "campaign_id": cid})
@@ -143,10 +162,14 @@ async def drive(workdir: Path, home: Path) -> int:
         _say("[6/9] benchmark (interleaved A/B against the task's Model)")
         bench = await call(client, "benchmark", {"task": task, "candidate": candidate, "campaign_id": cid})
         for s in bench["shapes"]:
-            _say(f"    {s['name']}: {s['baseline_median_s'] * 1e6:.1f} -> {s['candidate_median_s'] * 1e6:.1f} us, "
-                 f"x{s['speedup']:.2f} [{s['ci_low']:.2f}, {s['ci_high']:.2f}] ({s['pairs']} pairs)")
-        _say(f"    geomean x{bench['geomean_speedup']:.2f} [{bench['geomean_ci_low']:.2f}, {bench['geomean_ci_high']:.2f}]"
-             + (f"  ({bench['timer_note']})" if bench.get("timer_note") else ""))
+            _say(
+                f"    {s['name']}: {s['baseline_median_s'] * 1e6:.1f} -> {s['candidate_median_s'] * 1e6:.1f} us, "
+                f"x{s['speedup']:.2f} [{s['ci_low']:.2f}, {s['ci_high']:.2f}] ({s['pairs']} pairs)"
+            )
+        _say(
+            f"    geomean x{bench['geomean_speedup']:.2f} [{bench['geomean_ci_low']:.2f}, {bench['geomean_ci_high']:.2f}]"
+            + (f"  ({bench['timer_note']})" if bench.get("timer_note") else "")
+        )
 
         _say("[7/9] submit_candidate: a cheating candidate")
         bad = await call(client, "submit_candidate", {"campaign_id": cid, "task": task, "candidate": cheat})
@@ -156,23 +179,39 @@ async def drive(workdir: Path, home: Path) -> int:
 
         _say("[8/9] submit_candidate: the real candidate")
         good = await call(client, "submit_candidate", {"campaign_id": cid, "task": task, "candidate": candidate})
-        _say(f"    verdict: {good['verdict']}" + (f", commit {good['commit'][:12]} on {good['branch']}" if good.get("commit") else ""))
+        _say(
+            f"    verdict: {good['verdict']}"
+            + (f", commit {good['commit'][:12]} on {good['branch']}" if good.get("commit") else "")
+        )
         if notice and good["verdict"] == "accept" and bench.get("timer") == "wall_clock":
-            _say("    accepted on CPU wall-clock timing only because this demo's loom.toml allows "
-                 "it (accept_wall_clock = true); the default policy would say needs_review")
+            _say(
+                "    accepted on CPU wall-clock timing only because this demo's loom.toml allows "
+                "it (accept_wall_clock = true); the default policy would say needs_review"
+            )
         for reason in good["reasons"][:3]:
             _say(f"      - {clip_words(reason, 160)}")
 
         _say("[9/9] campaign_report")
         report = await call(client, "campaign_report", {"campaign_id": cid})
-        _say(f"    accepted {report['accepted']} of {report['attempts']} submissions; "
-             f"cumulative x{report['cumulative_speedup'] or 0:.2f}")
+        _say(
+            f"    accepted {report['accepted']} of {report['attempts']} submissions; "
+            f"cumulative x{report['cumulative_speedup'] or 0:.2f}"
+        )
         _say(f"    report: {report['files'].get('markdown')}")
 
     _say(f"\ndone in {time.monotonic() - started:.0f} s; largest tool result {max(sizes.values())} bytes")
     ok = bad["verdict"] != "accept" and good["verdict"] in ("accept", "needs_review")
-    _say(json.dumps({"cheat": bad["verdict"], "candidate": good["verdict"], "report": report["files"].get("markdown"),
-                     "wall_clock_accepts_allowed": notice is not None, "largest_result_bytes": sizes}))
+    _say(
+        json.dumps(
+            {
+                "cheat": bad["verdict"],
+                "candidate": good["verdict"],
+                "report": report["files"].get("markdown"),
+                "wall_clock_accepts_allowed": notice is not None,
+                "largest_result_bytes": sizes,
+            }
+        )
+    )
     return 0 if ok else 1
 
 
@@ -201,4 +240,3 @@ def _has_gpu() -> bool:
 
     devices, _ = probe_devices()
     return any(d.vendor != "cpu" for d in devices)
-

@@ -45,11 +45,15 @@ def limitations_for(devices: list[DeviceInfo], toolchain: Toolchain, isolation: 
     found: list[str] = []
     vendors = {d.vendor for d in devices}
     if vendors <= {"cpu"}:
-        found.append("no GPU: validation runs on CPU (Triton interpreter); benchmark times are CPU "
-                     "wall-clock and say so; profilers other than torch are unavailable")
+        found.append(
+            "no GPU: validation runs on CPU (Triton interpreter); benchmark times are CPU "
+            "wall-clock and say so; profilers other than torch are unavailable"
+        )
     if toolchain.torch is None:
-        found.append("torch not importable by the worker python: run_validation, benchmark and "
-                     "profile(torch) cannot run (pip install 'loom-mcp[triton]' or use your own build)")
+        found.append(
+            "torch not importable by the worker python: run_validation, benchmark and "
+            "profile(torch) cannot run (pip install 'loom-mcp[triton]' or use your own build)"
+        )
     if toolchain.triton is None:
         found.append("triton not importable: Triton candidates cannot compile or run")
     if not have("nvcc"):
@@ -68,7 +72,9 @@ def limitations_for(devices: list[DeviceInfo], toolchain: Toolchain, isolation: 
     return found
 
 
-def state_report(home: Path, config: LoomConfig | None, config_error: LoomError | None) -> tuple[dict[str, str], list[str]]:
+def state_report(
+    home: Path, config: LoomConfig | None, config_error: LoomError | None
+) -> tuple[dict[str, str], list[str]]:
     """LOOM_HOME as a server would find it: loom.toml, the ledger, the filesystem. Reads only.
     Returns the entries and the problems among them (each one stops a server from starting, or
     says that a running one is not using the file on disk)."""
@@ -83,15 +89,19 @@ def state_report(home: Path, config: LoomConfig | None, config_error: LoomError 
     elif not config_file.is_file():
         state["loom.toml"] = "absent: the defaults apply"
     else:
-        state["loom.toml"] = (f"ok (sha256 {(file_sha256(config_file) or '')[:12]}, rules fingerprint "
-                              f"{config.fingerprint() if config else '?'})")
+        state["loom.toml"] = (
+            f"ok (sha256 {(file_sha256(config_file) or '')[:12]}, rules fingerprint "
+            f"{config.fingerprint() if config else '?'})"
+        )
     last = home / "cache" / LAST_STARTED
     if last.is_file() and config_file.is_file():
         before, now = file_sha256(last) or "", file_sha256(config_file) or ""
         if before != now:
-            note = (f"loom.toml changed on disk since the server last started (sha256 {before[:12]} -> "
-                    f"{now[:12]}); a running server keeps the rules it started with until a human "
-                    f"restarts it; `diff {last} {config_file}` shows what changed")
+            note = (
+                f"loom.toml changed on disk since the server last started (sha256 {before[:12]} -> "
+                f"{now[:12]}); a running server keeps the rules it started with until a human "
+                f"restarts it; `diff {last} {config_file}` shows what changed"
+            )
             state["loom.toml since the last start"] = note
             problems.append(note)
     ledger = home / "ledger.sqlite3"
@@ -153,8 +163,13 @@ async def build_report(home: Path | None) -> DoctorReport:
 
 
 def render(report: DoctorReport) -> str:
-    lines = [f"loom-mcp {report.version}", f"home: {report.home}",
-             f"allowed roots: {', '.join(report.allowed_roots)}", "", "devices:"]
+    lines = [
+        f"loom-mcp {report.version}",
+        f"home: {report.home}",
+        f"allowed roots: {', '.join(report.allowed_roots)}",
+        "",
+        "devices:",
+    ]
     for d in report.devices:
         mem = f"{d.memory_total_bytes / 2**30:.0f} GiB" if d.memory_total_bytes else "? GiB"
         peak = ""
@@ -162,21 +177,28 @@ def render(report: DoctorReport) -> str:
             peak = f", peak {d.peak.memory_bandwidth_bytes_s / 1e12:.2f} TB/s"
             if "bf16" in d.peak.flops:
                 peak += f", bf16 {d.peak.flops['bf16'] / 1e12:.0f} TFLOP/s"
-        lines.append(f"  [{d.vendor}:{d.index}] {d.name} ({d.arch or 'arch ?'}), {mem}"
-                     f"{', driver ' + d.driver_version if d.driver_version else ''}"
-                     f"{', runtime ' + d.runtime_version if d.runtime_version else ''}{peak}")
+        lines.append(
+            f"  [{d.vendor}:{d.index}] {d.name} ({d.arch or 'arch ?'}), {mem}"
+            f"{', driver ' + d.driver_version if d.driver_version else ''}"
+            f"{', runtime ' + d.runtime_version if d.runtime_version else ''}{peak}"
+        )
     lines.append("backends:")
     lines += [f"  {k}: {v}" for k, v in report.backends.items()]
     tc = report.toolchain
-    lines += ["toolchain:", f"  python {tc.python}", f"  torch {tc.torch or 'not found'}"
-              + (f" (cuda {tc.torch_cuda})" if tc.torch_cuda else "")
-              + (f" (hip {tc.torch_hip})" if tc.torch_hip else ""),
-              f"  triton {tc.triton or 'not found'}"]
+    lines += [
+        "toolchain:",
+        f"  python {tc.python}",
+        f"  torch {tc.torch or 'not found'}"
+        + (f" (cuda {tc.torch_cuda})" if tc.torch_cuda else "")
+        + (f" (hip {tc.torch_hip})" if tc.torch_hip else ""),
+        f"  triton {tc.triton or 'not found'}",
+    ]
     if tc.probe_error:
         lines.append(f"  worker probe: {tc.probe_error}")
     for t in tc.tools:
-        lines.append(f"  {t.name}: {t.version or 'found' if t.found else 'not found'}"
-                     + (f" ({t.path})" if t.path else ""))
+        lines.append(
+            f"  {t.name}: {t.version or 'found' if t.found else 'not found'}" + (f" ({t.path})" if t.path else "")
+        )
     lines.append("sandbox:")
     lines += [f"  {k}: {v}" for k, v in report.isolation.items()]
     if report.state:

@@ -97,12 +97,16 @@ def filesystem_state(path: Path) -> ErrorCode | None:
 def storage_hint(code: ErrorCode, home: Path | None) -> str:
     where = f"LOOM_HOME ({home})" if home else "LOOM_HOME"
     if code is ErrorCode.DISK_FULL:
-        return (f"free space on the filesystem holding {where} (old job directories under its jobs/ "
-                "can go; `df -h` shows what is left) or start the server with --home on a larger "
-                "disk, then retry")
-    return (f"loom-mcp writes its ledger, artifacts and job directories under {where}: remount it "
-            "read-write, fix its ownership/permissions, or start the server with --home on a "
-            "writable directory")
+        return (
+            f"free space on the filesystem holding {where} (old job directories under its jobs/ "
+            "can go; `df -h` shows what is left) or start the server with --home on a larger "
+            "disk, then retry"
+        )
+    return (
+        f"loom-mcp writes its ledger, artifacts and job directories under {where}: remount it "
+        "read-write, fix its ownership/permissions, or start the server with --home on a "
+        "writable directory"
+    )
 
 
 def storage_error(exc: BaseException, home: Path | None) -> LoomError | None:
@@ -123,7 +127,8 @@ def storage_error(exc: BaseException, home: Path | None) -> LoomError | None:
                 code, detail = ErrorCode.DISK_FULL, what
                 break
             if current.errno in _READ_ONLY_ERRNOS or (
-                    current.errno in _DENIED_ERRNOS and _under(current.filename, home)):
+                current.errno in _DENIED_ERRNOS and _under(current.filename, home)
+            ):
                 code, detail = ErrorCode.READ_ONLY, what
                 break
             if current.errno == errno.EIO:

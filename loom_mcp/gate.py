@@ -63,9 +63,7 @@ class _Reasons:
 
     def ordered(self) -> list[tuple[ReasonCode, str]]:
         # Stable within each group: rejecting reasons in the order checked, then review reasons.
-        return [i for i in self.items if not is_review_code(i[0])] + [
-            i for i in self.items if is_review_code(i[0])
-        ]
+        return [i for i in self.items if not is_review_code(i[0])] + [i for i in self.items if is_review_code(i[0])]
 
 
 def _fmt_ratio(x: float) -> str:
@@ -306,9 +304,7 @@ def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Rea
         )
 
 
-def _judge_coverage(
-    validation: ValidationEvidence, benchmark: BenchmarkEvidence, out: _Reasons
-) -> None:
+def _judge_coverage(validation: ValidationEvidence, benchmark: BenchmarkEvidence, out: _Reasons) -> None:
     """A speedup speaks for the shapes it timed: every validated shape must have been timed,
     or a candidate slow on its hardest shape could be benchmarked on the easy ones only."""
     timed = {s.name for s in benchmark.shapes}
@@ -321,9 +317,7 @@ def _judge_coverage(
         )
 
 
-def benchmark_reasons(
-    benchmark: BenchmarkEvidence, config: GateConfig
-) -> list[tuple[ReasonCode, str]]:
+def benchmark_reasons(benchmark: BenchmarkEvidence, config: GateConfig) -> list[tuple[ReasonCode, str]]:
     """What the gate would hold against this benchmark on its own: the same rules `decide`
     applies, rejecting reasons first, then review concerns. Empty: it would clear the bar."""
     out = _Reasons()
@@ -332,8 +326,7 @@ def benchmark_reasons(
 
 
 _REVIEW_PHRASES: dict[str, str] = {
-    "review.below_floor": "a time below the physical floor (bytes / peak bandwidth or FLOPs / "
-    "peak rate)",
+    "review.below_floor": "a time below the physical floor (bytes / peak bandwidth or FLOPs / peak rate)",
     "review.implausible_speedup": "a speedup above max_plausible_speedup",
     "review.proof_failed": "the candidate's own kernels were not seen in the profiler trace",
     "review.proof_unknown": "it was not established that the candidate's own kernels ran",

@@ -189,9 +189,7 @@ def install(opts: Options, out: TextIO | None = None, err: TextIO | None = None)
                 say(f"backup of the previous file: {backup}")
 
     if opts.skills:
-        for note in install_skills(
-            skills_dir(opts.client, opts.scope, project_dir, home), opts.dry_run
-        ):
+        for note in install_skills(skills_dir(opts.client, opts.scope, project_dir, home), opts.dry_run):
             say(note)
 
     if opts.client == "claude":
@@ -199,18 +197,14 @@ def install(opts: Options, out: TextIO | None = None, err: TextIO | None = None)
         if shadow:
             say(shadow)
         if opts.scope == "project":
-            say(
-                "next: restart Claude Code in this project and approve the 'loom' server; check with /mcp"
-            )
+            say("next: restart Claude Code in this project and approve the 'loom' server; check with /mcp")
         else:
             say("next: restart Claude Code; check with /mcp or `claude mcp list`")
     elif opts.client == "cursor":
         say("next: reload Cursor (Settings > MCP shows 'loom' with its tools)")
     else:
         if opts.scope == "project":
-            say(
-                "note: Codex reads .codex/config.toml only in trusted projects; otherwise use --scope user"
-            )
+            say("note: Codex reads .codex/config.toml only in trusted projects; otherwise use --scope user")
         say("next: restart Codex; check with `codex mcp list`")
     if opts.dry_run:
         say("dry run: nothing was written")

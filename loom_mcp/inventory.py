@@ -17,9 +17,7 @@ def device_key(device: DeviceInfo) -> str:
 
 async def device_info(config: LoomConfig, refresh: bool = False) -> DeviceInfoResult:
     devices, backends = await anyio.to_thread.run_sync(probe_devices)
-    toolchain = await probe_toolchain(
-        config.cache_dir / "toolchain.json", max_age_s=0.0 if refresh else 3600.0
-    )
+    toolchain = await probe_toolchain(config.cache_dir / "toolchain.json", max_age_s=0.0 if refresh else 3600.0)
     for device in devices:
         device.busy = lease_holder(config.locks_dir, device_key(device)) is not None
     accelerators = [d for d in devices if d.vendor != "cpu"]

@@ -66,10 +66,12 @@ class Target:
 async def pick_target(config: LoomConfig) -> Target:
     toolchain = await probe_toolchain(config.cache_dir / "toolchain.json")
     if toolchain.torch is None:
-        raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
-                        "torch is not importable by the worker python "
-                        f"({toolchain.probe_error or 'not installed'}); install torch (and triton) "
-                        "into the environment loom-mcp runs in: pip install 'loom-mcp[triton]'")
+        raise LoomError(
+            ErrorCode.TOOLCHAIN_MISSING,
+            "torch is not importable by the worker python "
+            f"({toolchain.probe_error or 'not installed'}); install torch (and triton) "
+            "into the environment loom-mcp runs in: pip install 'loom-mcp[triton]'",
+        )
     devices, _ = await anyio.to_thread.run_sync(probe_devices)
     gpus = [d for d in devices if d.vendor != "cpu"]
     torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
@@ -81,9 +83,15 @@ async def pick_target(config: LoomConfig) -> Target:
     return Target("cpu", cpu, "cpu", software)
 
 
-def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candidate: Path,
-                         seeds: int, shapes: list[str] | None,
-                         task_globals: dict[str, Any] | None = None) -> str:
+def validation_reuse_key(
+    config: LoomConfig,
+    target: Target,
+    task: Path,
+    candidate: Path,
+    seeds: int,
+    shapes: list[str] | None,
+    task_globals: dict[str, Any] | None = None,
+) -> str:
     """Everything a validation verdict depends on: the two files' bytes, the task's global
     overrides, the seeds and shapes, the device (by identity, not just model) and driver, the
     software, and the gate policy. Evidence is reused only when all of it is equal."""
@@ -102,16 +110,23 @@ def validation_reuse_key(config: LoomConfig, target: Target, task: Path, candida
     return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-async def reusable_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *,
-                              task: Path, candidate: Path, task_globals: dict[str, Any] | None = None
-                              ) -> tuple[str, ValidationEvidence] | None:
+async def reusable_validation(
+    config: LoomConfig,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    *,
+    task: Path,
+    candidate: Path,
+    task_globals: dict[str, Any] | None = None,
+) -> tuple[str, ValidationEvidence] | None:
     """A full validation (policy seeds, every shape) already run on these exact bytes here.
 
     Only when every such run passed: each run draws fresh secret seeds, so a candidate that
     fails some of them must not be able to fish for one lucky pass and submit on it."""
     target = await pick_target(config)
-    key = validation_reuse_key(config, target, task, candidate, config.gate.seeds, None,
-                               checked_task_globals(task, task_globals))
+    key = validation_reuse_key(
+        config, target, task, candidate, config.gate.seeds, None, checked_task_globals(task, task_globals)
+    )
     rows = ledger.runs_with_key("validation", key)
     if not rows or not all(orjson.loads(r["summary_json"]).get("passed") for r in rows):
         return None
@@ -163,8 +178,16 @@ def _finding(f: Finding) -> CheckFinding:
     return CheckFinding(check=f.check, severity=f.severity, message=f.message, where=f.where)
 
 
-def store_record(ledger: Ledger, artifacts: ArtifactStore, run_id: str, kind: str, record: Any,
-                 summary: Any, campaign_id: str | None, reuse_key: str | None = None) -> None:
+def store_record(
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    run_id: str,
+    kind: str,
+    record: Any,
+    summary: Any,
+    campaign_id: str | None,
+    reuse_key: str | None = None,
+) -> None:
     payload = orjson.dumps(record.model_dump() if hasattr(record, "model_dump") else record)
     sha = artifacts.put_bytes(payload, kind=f"{kind}-record", name=f"{run_id}.json")
     ledger.insert_run(run_id, kind, sha, summary.model_dump(), campaign_id, reuse_key=reuse_key)
@@ -197,10 +220,18 @@ class Leased:
 # ---------------------------------------------------------------- compile
 
 
-async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source: str,
-                         language: Language, target: str | None, flags: list[str], task: str | None,
-                         progress: Progress | None, task_globals: dict[str, Any] | None = None
-                         ) -> tuple[CompileResult, float]:
+async def compile_kernel(
+    config: LoomConfig,
+    artifacts: ArtifactStore,
+    *,
+    source: str,
+    language: Language,
+    target: str | None,
+    flags: list[str],
+    task: str | None,
+    progress: Progress | None,
+    task_globals: dict[str, Any] | None = None,
+) -> tuple[CompileResult, float]:
     src = check_file(config, source, "source")
     task_path = check_file(config, task, "task") if task else None
     task_globals = checked_task_globals(task_path, task_globals) if task_path else None
@@ -208,10 +239,20 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
 
     async def run(device: str, target: str | None) -> CompileResult:
         return await compile_source(
-            source=src, language=language, target=target, flags=flags, task=task_path, device=device,
-            cache_dir=config.cache_dir, artifacts=artifacts,
-            job_dir=config.jobs_dir / new_run_id("compile"), timeout_s=config.job_timeout_s,
-            toolchain=toolchain, progress=progress, task_globals=task_globals)
+            source=src,
+            language=language,
+            target=target,
+            flags=flags,
+            task=task_path,
+            device=device,
+            cache_dir=config.cache_dir,
+            artifacts=artifacts,
+            job_dir=config.jobs_dir / new_run_id("compile"),
+            timeout_s=config.job_timeout_s,
+            toolchain=toolchain,
+            progress=progress,
+            task_globals=task_globals,
+        )
 
     if language != "triton":  # nvcc/hipcc compile for a named target without touching a device
         return await run("cpu", target), 0.0
@@ -226,8 +267,7 @@ async def compile_kernel(config: LoomConfig, artifacts: ArtifactStore, *, source
 # ---------------------------------------------------------------- validation
 
 
-def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, seconds: float
-                         ) -> RunValidationResult:
+def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, seconds: float) -> RunValidationResult:
     failing = [c for c in evidence.cases if not c.passed]
     # The worst failing case when any fails (a passing one would read as "all is well"):
     # the largest relative error among them, else the first (a shape or type failure has none).
@@ -240,11 +280,18 @@ def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, 
         worst = max(passing, key=lambda c: c.max_rel_err or 0.0, default=None)
 
     def summary(c) -> CaseSummary:
-        return CaseSummary(shape=c.shape, seed=c.seed, input_kind=c.input_kind, passed=c.passed,
-                           max_abs_err=c.max_abs_err, max_rel_err=c.max_rel_err,
-                           ref_max_abs_err=c.ref_max_abs_err, norm_rel_err=c.norm_rel_err,
-                           ref_norm_rel_err=c.ref_norm_rel_err,
-                           message=(c.message or "")[:300] or None)
+        return CaseSummary(
+            shape=c.shape,
+            seed=c.seed,
+            input_kind=c.input_kind,
+            passed=c.passed,
+            max_abs_err=c.max_abs_err,
+            max_rel_err=c.max_rel_err,
+            ref_max_abs_err=c.ref_max_abs_err,
+            norm_rel_err=c.norm_rel_err,
+            ref_norm_rel_err=c.ref_norm_rel_err,
+            message=(c.message or "")[:300] or None,
+        )
 
     shapes = list(dict.fromkeys(c.shape for c in evidence.cases))
     if evidence.passed:
@@ -252,19 +299,34 @@ def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, 
     else:
         next_step = "fix what the findings name and run_validation again"
     return RunValidationResult(
-        validation_id=evidence.validation_id, passed=evidence.passed, device=device, shapes=shapes,
-        seeds_per_shape=seeds, cases_total=len(evidence.cases), cases_failed=len(failing),
+        validation_id=evidence.validation_id,
+        passed=evidence.passed,
+        device=device,
+        shapes=shapes,
+        seeds_per_shape=seeds,
+        cases_total=len(evidence.cases),
+        cases_failed=len(failing),
         failing_cases=[summary(c) for c in failing[:8]],
         worst_case=summary(worst) if worst else None,
-        findings=[_finding(f) for f in evidence.findings][:12], seconds=round(seconds, 3),
-        next_step=next_step)
+        findings=[_finding(f) for f in evidence.findings][:12],
+        seconds=round(seconds, 3),
+        next_step=next_step,
+    )
 
 
-async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
-                         candidate: str, seeds: int | None, shapes: list[str] | None,
-                         campaign_id: str | None, progress: Progress | None,
-                         task_globals: dict[str, Any] | None = None
-                         ) -> tuple[RunValidationResult, ValidationEvidence, float]:
+async def run_validation(
+    config: LoomConfig,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    *,
+    task: str,
+    candidate: str,
+    seeds: int | None,
+    shapes: list[str] | None,
+    campaign_id: str | None,
+    progress: Progress | None,
+    task_globals: dict[str, Any] | None = None,
+) -> tuple[RunValidationResult, ValidationEvidence, float]:
     task_path = check_file(config, task, "task")
     cand_path = check_file(config, candidate, "candidate")
     task_globals = checked_task_globals(task_path, task_globals)
@@ -274,20 +336,37 @@ async def run_validation(config: LoomConfig, ledger: Ledger, artifacts: Artifact
     started = time.monotonic()
     async with Leased(config, target, progress) as held:
         evidence = await validate_candidate(
-            task=task_path, candidate=cand_path, job_dir=config.jobs_dir / run_id, seeds=seeds,
-            shapes=shapes, device=target.torch_device, timeout_s=config.job_timeout_s,
-            validation_id=run_id, keep_warm=config.warm_workers, progress=progress,
-            task_globals=task_globals)
+            task=task_path,
+            candidate=cand_path,
+            job_dir=config.jobs_dir / run_id,
+            seeds=seeds,
+            shapes=shapes,
+            device=target.torch_device,
+            timeout_s=config.job_timeout_s,
+            validation_id=run_id,
+            keep_warm=config.warm_workers,
+            progress=progress,
+            task_globals=task_globals,
+        )
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
     reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes, task_globals)
-    store_record(ledger, artifacts, run_id, "validation",
-                 {"evidence": evidence.model_dump(), "task": str(task_path),
-                  "task_globals": task_globals,
-                  "candidate": str(cand_path),
-                  "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(cand_path),
-                                                       "candidate", cand_path.name),
-                  "reuse_key": reuse_key},
-                 result, campaign_id, reuse_key=reuse_key)
+    store_record(
+        ledger,
+        artifacts,
+        run_id,
+        "validation",
+        {
+            "evidence": evidence.model_dump(),
+            "task": str(task_path),
+            "task_globals": task_globals,
+            "candidate": str(cand_path),
+            "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(cand_path), "candidate", cand_path.name),
+            "reuse_key": reuse_key,
+        },
+        result,
+        campaign_id,
+        reuse_key=reuse_key,
+    )
     return result, evidence, held.seconds
 
 
@@ -306,49 +385,74 @@ def flush_bytes_for(target: Target) -> int:
     return max(2 * l2, 256 << 20) if l2 else 256 << 20
 
 
-def summarize_benchmark(evidence: BenchmarkEvidence, findings: list[Finding], gate: GateConfig,
-                        seconds: float, device_state: dict | None,
-                        baseline: str = "the task's Model") -> BenchmarkResult:
+def summarize_benchmark(
+    evidence: BenchmarkEvidence,
+    findings: list[Finding],
+    gate: GateConfig,
+    seconds: float,
+    device_state: dict | None,
+    baseline: str = "the task's Model",
+) -> BenchmarkResult:
     shapes = [
         ShapeSpeed(
-            name=s.name, baseline_median_s=s.baseline.median, candidate_median_s=s.candidate.median,
-            speedup=s.ratio.estimate, ci_low=s.ratio.ci_low, ci_high=s.ratio.ci_high,
+            name=s.name,
+            baseline_median_s=s.baseline.median,
+            candidate_median_s=s.candidate.median,
+            speedup=s.ratio.estimate,
+            ci_low=s.ratio.ci_low,
+            ci_high=s.ratio.ci_high,
             pairs=min(s.baseline.n, s.candidate.n),
             candidate_cv=(s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0,
-            floor_s=s.floor_s, roofline_fraction=s.roofline_fraction, stop_reason=s.stop_reason,
-            block_speedups=s.block_ratios)
+            floor_s=s.floor_s,
+            roofline_fraction=s.roofline_fraction,
+            stop_reason=s.stop_reason,
+            block_speedups=s.block_ratios,
+        )
         for s in evidence.shapes
     ]
     g = evidence.geomean
     overhead = max((evidence.bracket_overhead_s or {}).values(), default=None)
     trusted = evidence.trusted_geomean
     if trusted is not None:
-        note = ("the arms' own device events, checked against a trusted process's bracket of "
-                f"every call ({trusted.estimate:.3f}x [{trusted.ci_low:.3f}, {trusted.ci_high:.3f}])")
+        note = (
+            "the arms' own device events, checked against a trusted process's bracket of "
+            f"every call ({trusted.estimate:.3f}x [{trusted.ci_low:.3f}, {trusted.ci_high:.3f}])"
+        )
     else:
-        note = ("timed by a trusted process that runs no code under test"
-                + (f"; its bracket's own cost ({overhead * 1e6:.1f} us a call) is subtracted"
-                   if overhead else ""))
+        note = "timed by a trusted process that runs no code under test" + (
+            f"; its bracket's own cost ({overhead * 1e6:.1f} us a call) is subtracted" if overhead else ""
+        )
     if evidence.timer == "wall_clock":
-        note = ("CPU wall-clock timings, one thread per arm (no GPU here): they say nothing about "
-                "GPU speed; " + note)
+        note = "CPU wall-clock timings, one thread per arm (no GPU here): they say nothing about GPU speed; " + note
         if evidence.blocks:
-            note += (f"; {evidence.blocks} blocks of fresh processes, the CI a t-interval across "
-                     "the blocks' ratios")
+            note += f"; {evidence.blocks} blocks of fresh processes, the CI a t-interval across the blocks' ratios"
     if any(f.severity == "error" for f in findings):
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
     else:
         next_step = benchmark_advice(evidence, gate)
     return BenchmarkResult(
-        benchmark_id=evidence.benchmark_id, device=evidence.device, timer=evidence.timer,
-        timer_note=note, shapes=shapes, geomean_speedup=g.estimate if g else None,
-        geomean_ci_low=g.ci_low if g else None, geomean_ci_high=g.ci_high if g else None,
-        ci_level=gate.ci_level, l2_flushed=evidence.l2_flushed, graph_replay=evidence.graph_replay,
+        benchmark_id=evidence.benchmark_id,
+        device=evidence.device,
+        timer=evidence.timer,
+        timer_note=note,
+        shapes=shapes,
+        geomean_speedup=g.estimate if g else None,
+        geomean_ci_low=g.ci_low if g else None,
+        geomean_ci_high=g.ci_high if g else None,
+        ci_level=gate.ci_level,
+        l2_flushed=evidence.l2_flushed,
+        graph_replay=evidence.graph_replay,
         throttled_samples_dropped=evidence.throttled_samples_dropped,
-        proof_of_execution=evidence.proof_of_execution, proof_note=evidence.proof_note,
-        findings=[_finding(f) for f in findings], device_state=device_state,
-        blocks=evidence.blocks, block_geomeans=evidence.block_geomeans,
-        seconds=round(seconds, 3), baseline=baseline, next_step=next_step)
+        proof_of_execution=evidence.proof_of_execution,
+        proof_note=evidence.proof_note,
+        findings=[_finding(f) for f in findings],
+        device_state=device_state,
+        blocks=evidence.blocks,
+        block_geomeans=evidence.block_geomeans,
+        seconds=round(seconds, 3),
+        baseline=baseline,
+        next_step=next_step,
+    )
 
 
 def benchmark_advice(evidence: BenchmarkEvidence, gate: GateConfig) -> str:
@@ -358,22 +462,32 @@ def benchmark_advice(evidence: BenchmarkEvidence, gate: GateConfig) -> str:
     blocking = [(c, m) for c, m in reasons if not is_review_code(c)]
     if "shape.regression" in codes:
         slow = [m for c, m in blocking if c == "shape.regression"]
-        return ("do not submit yet: the gate rejects a candidate with any shape clearly slower "
-                f"(CI upper bound below {1 - gate.max_regression:.3f}x). {' '.join(slow)} Make that "
-                "shape at least as fast as the baseline (e.g. a separate path or tuning for it), "
-                "then benchmark again")
+        return (
+            "do not submit yet: the gate rejects a candidate with any shape clearly slower "
+            f"(CI upper bound below {1 - gate.max_regression:.3f}x). {' '.join(slow)} Make that "
+            "shape at least as fast as the baseline (e.g. a separate path or tuning for it), "
+            "then benchmark again"
+        )
     if "speedup.insufficient" in codes:
         g = evidence.geomean
         low = f"{g.ci_low:.3f}x" if g else "unknown"
-        return (f"not a clear win yet: the geomean CI lower bound ({low}) must exceed "
-                f"{1 + gate.min_gain:.3f}x for the gate to accept; profile the candidate or try a "
-                "different approach (re-running the same idea only chases noise)")
+        return (
+            f"not a clear win yet: the geomean CI lower bound ({low}) must exceed "
+            f"{1 + gate.min_gain:.3f}x for the gate to accept; profile the candidate or try a "
+            "different approach (re-running the same idea only chases noise)"
+        )
     if blocking:
-        return ("the gate would reject this evidence: " + " ".join(m for _, m in blocking)
-                + " Fix that, then benchmark again")
+        return (
+            "the gate would reject this evidence: "
+            + " ".join(m for _, m in blocking)
+            + " Fix that, then benchmark again"
+        )
     if reasons:
-        return ("submit_candidate would end in needs_review, not accept ("
-                + review_explanation([c for c, _ in reasons]) + ")")
+        return (
+            "submit_candidate would end in needs_review, not accept ("
+            + review_explanation([c for c, _ in reasons])
+            + ")"
+        )
     return "submit_candidate to have the server re-check and accept it"
 
 
@@ -399,11 +513,19 @@ def task_baseline(task_path: Path) -> str | None:
     return str(task_path.parent / name) if name else None
 
 
-async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, task: str,
-                        candidate: str, baseline: str | None, shapes: list[str] | None,
-                        campaign_id: str | None, progress: Progress | None,
-                        task_globals: dict[str, Any] | None = None
-                        ) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
+async def run_benchmark(
+    config: LoomConfig,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    *,
+    task: str,
+    candidate: str,
+    baseline: str | None,
+    shapes: list[str] | None,
+    campaign_id: str | None,
+    progress: Progress | None,
+    task_globals: dict[str, Any] | None = None,
+) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
     task_path = check_file(config, task, "task")
     cand_path = check_file(config, candidate, "candidate")
     task_globals = checked_task_globals(task_path, task_globals)
@@ -418,23 +540,54 @@ async def run_benchmark(config: LoomConfig, ledger: Ledger, artifacts: ArtifactS
     async with Leased(config, target, progress) as held:
         before = sampler() if sampler else None
         evidence, findings = await benchmark_candidate(
-            task=task_path, candidate=cand_path, baseline=base_path, job_dir=config.jobs_dir / run_id,
-            shapes=shapes, device=target.torch_device, gate=gate, peak=target.device.peak,
-            flush_bytes=flush_bytes_for(target), timeout_s=config.job_timeout_s,
-            benchmark_id=run_id, clock_sampler=sampler, keep_warm=config.warm_workers, progress=progress,
-            task_globals=task_globals)
+            task=task_path,
+            candidate=cand_path,
+            baseline=base_path,
+            job_dir=config.jobs_dir / run_id,
+            shapes=shapes,
+            device=target.torch_device,
+            gate=gate,
+            peak=target.device.peak,
+            flush_bytes=flush_bytes_for(target),
+            timeout_s=config.job_timeout_s,
+            benchmark_id=run_id,
+            clock_sampler=sampler,
+            keep_warm=config.warm_workers,
+            progress=progress,
+            task_globals=task_globals,
+        )
         after = sampler() if sampler else None
     state = None
     if before and after:
-        state = {"sm_clock_mhz_before": before.get("sm_clock_mhz"),
-                 "sm_clock_mhz_after": after.get("sm_clock_mhz"),
-                 "temperature_c_after": after.get("temperature_c"),
-                 "power_w_after": after.get("power_w")}
-    result = summarize_benchmark(evidence, findings, gate, time.monotonic() - started, state,
-                                 baseline=str(base_path) if base_path else "the task's Model")
-    store_record(ledger, artifacts, run_id, "benchmark",
-                 {"evidence": evidence.model_dump(), "findings": [f.model_dump() for f in findings],
-                  "task": str(task_path), "task_globals": task_globals, "candidate": str(cand_path),
-                  "baseline": str(base_path) if base_path else None, "device": target.device.model_dump()},
-                 result, campaign_id)
+        state = {
+            "sm_clock_mhz_before": before.get("sm_clock_mhz"),
+            "sm_clock_mhz_after": after.get("sm_clock_mhz"),
+            "temperature_c_after": after.get("temperature_c"),
+            "power_w_after": after.get("power_w"),
+        }
+    result = summarize_benchmark(
+        evidence,
+        findings,
+        gate,
+        time.monotonic() - started,
+        state,
+        baseline=str(base_path) if base_path else "the task's Model",
+    )
+    store_record(
+        ledger,
+        artifacts,
+        run_id,
+        "benchmark",
+        {
+            "evidence": evidence.model_dump(),
+            "findings": [f.model_dump() for f in findings],
+            "task": str(task_path),
+            "task_globals": task_globals,
+            "candidate": str(cand_path),
+            "baseline": str(base_path) if base_path else None,
+            "device": target.device.model_dump(),
+        },
+        result,
+        campaign_id,
+    )
     return result, evidence, findings, held.seconds

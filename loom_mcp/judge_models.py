@@ -78,9 +78,7 @@ class GateConfig(_Model):
         description="Benchmark stopping rule: stop once the standard error of each arm's median, "
         "relative to that median, is below this",
     )
-    min_samples: int = Field(
-        default=10, ge=2, description="Stopping rule: never stop before this many samples per arm"
-    )
+    min_samples: int = Field(default=10, ge=2, description="Stopping rule: never stop before this many samples per arm")
     min_time_s: float = Field(
         default=0.5, ge=0, description="Stopping rule: never stop before this much time per shape"
     )
@@ -92,9 +90,7 @@ class GateConfig(_Model):
         ge=2,
         description="Fewer kept A/B pairs than this on a shape and its CI is not evidence: reject",
     )
-    bootstrap_resamples: int = Field(
-        default=5000, ge=200, description="Bootstrap replicates for ratio and geomean CIs"
-    )
+    bootstrap_resamples: int = Field(default=5000, ge=200, description="Bootstrap replicates for ratio and geomean CIs")
     bootstrap_seed: int = Field(
         default=0, description="Seed of the bootstrap RNG, so the same samples give the same CI"
     )
@@ -208,9 +204,7 @@ class ValidationCase(_Model):
         description="'normal', 'uniform', 'heavy_tailed', 'scaled_1e-3', 'scaled_64', 'boundary', ...",
     )
     dtype: str | None = Field(default=None, description="Canonical dtype of the reference output")
-    max_abs_err: float | None = Field(
-        default=None, description="None when outputs could not be compared"
-    )
+    max_abs_err: float | None = Field(default=None, description="None when outputs could not be compared")
     max_rel_err: float | None = None
     mismatched: int | None = Field(default=None, description="Elements outside tolerance")
     atol: float = Field(ge=0)
@@ -242,12 +236,8 @@ class ValidationCase(_Model):
     passed: bool
     shape_match: bool = True
     nan_inf_parity: bool = Field(default=True, description="NaN/Inf positions match the reference")
-    output_type_ok: bool = Field(
-        default=True, description="Outputs are plain torch.Tensor, not aliases"
-    )
-    inputs_unchanged: bool | None = Field(
-        default=None, description="Input hashes equal after the call"
-    )
+    output_type_ok: bool = Field(default=True, description="Outputs are plain torch.Tensor, not aliases")
+    inputs_unchanged: bool | None = Field(default=None, description="Input hashes equal after the call")
     deterministic: bool | None = Field(default=None, description="A rerun was bitwise identical")
     message: str | None = Field(default=None, description="Why the case failed, in one sentence")
 
@@ -291,7 +281,8 @@ class RatioCI(_Model):
     resamples: int = Field(ge=0)
     method: Literal["paired_bootstrap", "independent_bootstrap", "block_t", "degenerate"] = Field(
         description="block_t: a Student t interval of the mean log ratio across blocks (fresh "
-        "processes each, CPU wall clock); resamples is 0 there")
+        "processes each, CPU wall clock); resamples is 0 there"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> RatioCI:
@@ -326,13 +317,9 @@ class ShapeSamples(_Model):
 
     @model_validator(mode="after")
     def _lengths(self) -> ShapeSamples:
-        if self.throttled is not None and not (
-            len(self.throttled) == len(self.baseline_s) == len(self.candidate_s)
-        ):
+        if self.throttled is not None and not (len(self.throttled) == len(self.baseline_s) == len(self.candidate_s)):
             raise ValueError("throttled flags need one entry per A/B pair")
-        if self.blocks is not None and not (
-            len(self.blocks) == len(self.baseline_s) == len(self.candidate_s)
-        ):
+        if self.blocks is not None and not (len(self.blocks) == len(self.baseline_s) == len(self.candidate_s)):
             raise ValueError("block labels need one entry per A/B pair")
         return self
 
@@ -357,8 +344,7 @@ class ShapeTiming(_Model):
     sampling_s: float | None = Field(default=None, ge=0, description="Seconds spent sampling")
     block_ratios: list[float] | None = Field(
         default=None,
-        description="Speedup (ratio of medians) in each block, in block order: their spread is "
-        "the CI's width",
+        description="Speedup (ratio of medians) in each block, in block order: their spread is the CI's width",
     )
 
 

@@ -116,8 +116,8 @@ class StartCampaignResult(_Model):
     goal: str
     task: str | None
     task_globals: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Module-level names of the task overridden in every run of this campaign")
+        default_factory=dict, description="Module-level names of the task overridden in every run of this campaign"
+    )
     budgets: Budgets
     config_fingerprint: str
     next_step: str
@@ -136,9 +136,7 @@ class KernelResources(_Model):
     shared_memory_bytes: int | None = Field(default=None, description="Static shared memory / LDS per block")
     num_warps: int | None = None
     num_stages: int | None = None
-    occupancy: float | None = Field(
-        default=None, description="Estimated resident warps / max warps per SM (CU), 0..1"
-    )
+    occupancy: float | None = Field(default=None, description="Estimated resident warps / max warps per SM (CU), 0..1")
     occupancy_limiter: str | None = Field(default=None, description="registers | shared_memory | warps")
 
 
@@ -181,10 +179,12 @@ class CaseSummary(_Model):
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     ref_max_abs_err: float | None = Field(
-        default=None, description="The same error of the task's Model itself in its dtype here")
+        default=None, description="The same error of the task's Model itself in its dtype here"
+    )
     norm_rel_err: float | None = None
     ref_norm_rel_err: float | None = Field(
-        default=None, description="The reference's own normwise error in its dtype here")
+        default=None, description="The reference's own normwise error in its dtype here"
+    )
     message: str | None = None
 
 
@@ -197,7 +197,10 @@ class RunValidationResult(_Model):
     cases_total: int
     cases_failed: int
     failing_cases: list[CaseSummary] = Field(description="At most 8; the full table is at loom://runs/{id}")
-    worst_case: CaseSummary | None = Field(default=None, description="The worst failing case (largest relative error) when any fails; else the passing case with the largest relative error")
+    worst_case: CaseSummary | None = Field(
+        default=None,
+        description="The worst failing case (largest relative error) when any fails; else the passing case with the largest relative error",
+    )
     findings: list[CheckFinding]
     seconds: float
     next_step: str
@@ -215,11 +218,15 @@ class ShapeSpeed(_Model):
     floor_s: float | None = None
     roofline_fraction: float | None = Field(default=None, description="floor / candidate median")
     stop_reason: Literal["precise", "time_cap"] | None = Field(
-        default=None, description="precise: both medians reached the gate's precision; time_cap: "
-        "the gate's max_time_s ran out first and the CI is as wide as it came out")
+        default=None,
+        description="precise: both medians reached the gate's precision; time_cap: "
+        "the gate's max_time_s ran out first and the CI is as wide as it came out",
+    )
     block_speedups: list[float] | None = Field(
-        default=None, description="CPU wall clock: the speedup in each block (a fresh pair of arm "
-        "processes); the CI is a t-interval across them, so their spread is its width")
+        default=None,
+        description="CPU wall clock: the speedup in each block (a fresh pair of arm "
+        "processes); the CI is a t-interval across them, so their spread is its width",
+    )
 
 
 class BenchmarkResult(_Model):
@@ -240,10 +247,13 @@ class BenchmarkResult(_Model):
     findings: list[CheckFinding]
     device_state: dict[str, float | str | None] | None = None
     blocks: int | None = Field(
-        default=None, description="CPU wall clock: blocks timed, each a fresh timer and pair of "
-        "arm processes (a process keeps a few-percent bias for life)")
+        default=None,
+        description="CPU wall clock: blocks timed, each a fresh timer and pair of "
+        "arm processes (a process keeps a few-percent bias for life)",
+    )
     block_geomeans: list[float] | None = Field(
-        default=None, description="CPU wall clock: the geomean speedup within each block")
+        default=None, description="CPU wall clock: the geomean speedup within each block"
+    )
     seconds: float
     baseline: str = Field(
         default="the task's Model",

@@ -77,9 +77,13 @@ def _remember_started_config(config: LoomConfig) -> None:
     if hashlib.sha256(current).hexdigest() != source.sha256:
         return  # changed between load and now: drift() reports it; keep the older copy
     if previous is not None and previous != current:
-        log.warning("loom.toml changed since the last server started (sha256 %s -> %s); "
-                    "`diff %s %s` shows what changed", hashlib.sha256(previous).hexdigest()[:12],
-                    source.sha256[:12], last, source.path)
+        log.warning(
+            "loom.toml changed since the last server started (sha256 %s -> %s); `diff %s %s` shows what changed",
+            hashlib.sha256(previous).hexdigest()[:12],
+            source.sha256[:12],
+            last,
+            source.path,
+        )
     if previous != current:
         fd, tmp = tempfile.mkstemp(dir=last.parent, prefix=".last-start-")
         with os.fdopen(fd, "wb") as fh:
@@ -111,8 +115,9 @@ def _open_services(config: LoomConfig) -> Services:
     if ledger.interrupted_on_open:
         log.warning("%d call(s) from a previous server were interrupted", ledger.interrupted_on_open)
     worktrees = config.home / "worktrees"
-    if ledger.interrupted_submissions() or (worktrees.is_dir() and any(
-            any(d.iterdir()) for d in worktrees.iterdir() if d.is_dir())):
+    if ledger.interrupted_submissions() or (
+        worktrees.is_dir() and any(any(d.iterdir()) for d in worktrees.iterdir() if d.is_dir())
+    ):
         from loom_mcp.submissions import recover_interrupted
 
         removed = recover_interrupted(config, ledger)
@@ -152,8 +157,10 @@ def campaign_rules_note(services: Services, campaign_id: str | None) -> list[str
     now = services.config.fingerprint()
     if row is None or row["config_fingerprint"] == now:
         return []
-    return [f"campaign {campaign_id} was started under config fingerprint {row['config_fingerprint']}; "
-            f"this server enforces {now} (the human's loom.toml as of the server's start)"]
+    return [
+        f"campaign {campaign_id} was started under config fingerprint {row['config_fingerprint']}; "
+        f"this server enforces {now} (the human's loom.toml as of the server's start)"
+    ]
 
 
 def _with_notes(result: T, notes: list[str]) -> T:
@@ -162,16 +169,18 @@ def _with_notes(result: T, notes: list[str]) -> T:
     return result
 
 
-def _end_call(services: Services, call_id: int | None, outcome: str, scope: CallScope,
-              error_code: str | None = None) -> LoomError | None:
+def _end_call(
+    services: Services, call_id: int | None, outcome: str, scope: CallScope, error_code: str | None = None
+) -> LoomError | None:
     """Record the end of a call; a ledger that can no longer be written must not hide the
     call's own outcome, so a failure here is logged and returned (coded when it is storage)."""
     if call_id is None:
         return None
     try:
         # Every lease the call held, a failed call's too (the campaign's budget counts it).
-        services.ledger.end_call(call_id, outcome, error_code=error_code, device_s=sum(scope.metered),
-                                 campaign_id=scope.campaign_id)
+        services.ledger.end_call(
+            call_id, outcome, error_code=error_code, device_s=sum(scope.metered), campaign_id=scope.campaign_id
+        )
     except Exception as exc:  # reported, never raised over the call's own outcome
         coded = storage_error(exc, services.config.home)
         log.error("could not record the end of call %s in the ledger: %s", call_id, coded or exc)
@@ -185,14 +194,12 @@ def _coded(exc: BaseException, services: Services) -> LoomError | None:
     read-only now (a worker that could not write its output says only that it died)."""
     home = services.config.home
     coded = storage_error(exc, home)
-    if coded is None and (not isinstance(exc, LoomError)
-                          or exc.code in (ErrorCode.WORKER_CRASHED, ErrorCode.INTERNAL)):
+    if coded is None and (not isinstance(exc, LoomError) or exc.code in (ErrorCode.WORKER_CRASHED, ErrorCode.INTERNAL)):
         from loom_mcp.errors import filesystem_state, storage_hint
 
         state = filesystem_state(home)
         if state is not None:
-            what = "LOOM_HOME's filesystem is full" if state is ErrorCode.DISK_FULL else \
-                "LOOM_HOME is not writable"
+            what = "LOOM_HOME's filesystem is full" if state is ErrorCode.DISK_FULL else "LOOM_HOME is not writable"
             coded = LoomError(state, f"{what}; {storage_hint(state, home)}")
     if coded is not None and isinstance(exc, LoomError) and exc.code is not coded.code:
         coded = LoomError(coded.code, f"{coded.message} (the call failed with: {exc})")
@@ -214,8 +221,10 @@ async def run_recorded(
         coded = _coded(exc, services)
         if coded is None:
             log.exception("tool %s: the ledger refused the call", tool)
-            raise ToolError(f"[INTERNAL] {tool} could not be recorded in the ledger "
-                            f"({type(exc).__name__}); the server log has details") from exc
+            raise ToolError(
+                f"[INTERNAL] {tool} could not be recorded in the ledger "
+                f"({type(exc).__name__}); the server log has details"
+            ) from exc
         raise ToolError(f"{coded} ({tool} was not run: the ledger could not record it)") from exc
     DEVICE_METER.set(scope.metered)  # this call's task (and its children) only
     try:
@@ -247,8 +256,7 @@ async def run_recorded(
     if tool in ("submit_candidate", "campaign_report"):
         notes += campaign_rules_note(services, scope.campaign_id)
     if lost:
-        notes.append(f"the ledger could not record this call's end ({lost}); the next start marks "
-                     "it interrupted")
+        notes.append(f"the ledger could not record this call's end ({lost}); the next start marks it interrupted")
     return _with_notes(result, notes)
 
 
@@ -269,11 +277,11 @@ def recorded(services: Services, tool: str) -> Callable[[Callable[..., Awaitable
             bound.apply_defaults()
             given = dict(bound.arguments)
             arguments = {name: value for name, value in given.items() if name != "ctx"}
-            return await run_recorded(services, tool, arguments, lambda scope: fn(scope, **given),
-                                      given.get("campaign_id"))
+            return await run_recorded(
+                services, tool, arguments, lambda scope: fn(scope, **given), given.get("campaign_id")
+            )
 
         call.__signature__ = public  # type: ignore[attr-defined]
         return call
 
     return wrap
-

@@ -56,13 +56,15 @@ INSTRUCTIONS = (
 )
 
 
-
-ShapeNames = Annotated[list[str] | None, Field(
-    description="Subset of the task's SHAPES names; default all")]
-TaskGlobals = Annotated[dict[str, bool | int | float | str | list[int | float]] | None, Field(
-    max_length=64,
-    description="Module-level names the task's input functions read (batch_size, dim, ...), e.g. "
-    "{\"batch_size\": 2}; default: the campaign's")]
+ShapeNames = Annotated[list[str] | None, Field(description="Subset of the task's SHAPES names; default all")]
+TaskGlobals = Annotated[
+    dict[str, bool | int | float | str | list[int | float]] | None,
+    Field(
+        max_length=64,
+        description="Module-level names the task's input functions read (batch_size, dim, ...), e.g. "
+        '{"batch_size": 2}; default: the campaign\'s',
+    ),
+]
 
 # Hints at their spec defaults (readOnly false, idempotent false; destructive/idempotent mean
 # nothing for a read-only tool) are left out: every tools/list byte is agent context.
@@ -94,8 +96,9 @@ class LoomServer(MCPServer):
                     row = ledger.campaign(campaign_id)
                     return Path(row["repo"]) if row else None
 
-                arguments = absolute_paths(name, arguments, campaign_repo,
-                                           known_id=lambda value: ledger.run(value) is not None)
+                arguments = absolute_paths(
+                    name, arguments, campaign_repo, known_id=lambda value: ledger.run(value) is not None
+                )
             return await super().call_tool(name, arguments, context)
         except LoomError as exc:
             raise ToolError(f"Error executing tool {name}: {exc}") from exc
@@ -104,8 +107,9 @@ class LoomServer(MCPServer):
                 raise
             fields = tool.fn_metadata.arg_model.model_fields
             accepted = {n: f.is_required() for n, f in fields.items()}
-            raise ToolError(f"Error executing tool {name}: "
-                            f"{argument_error(name, exc.__cause__, accepted)}") from exc.__cause__
+            raise ToolError(
+                f"Error executing tool {name}: {argument_error(name, exc.__cause__, accepted)}"
+            ) from exc.__cause__
 
 
 def build_server(config: LoomConfig | None = None) -> MCPServer:
@@ -147,11 +151,21 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def start_campaign(
         scope: CallScope,
         repo: Annotated[str, Field(description="Absolute path of the git repository to optimize (its root)")],
-        goal: Annotated[str, Field(min_length=1, max_length=2000,
-                                   description="What to improve, e.g. 'decode tokens/s of llama_q4k at batch 1'")],
-        task: Annotated[str | None, Field(description="Task file (KernelBench format), absolute or repo-relative")] = None,
+        goal: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=2000,
+                description="What to improve, e.g. 'decode tokens/s of llama_q4k at batch 1'",
+            ),
+        ],
+        task: Annotated[
+            str | None, Field(description="Task file (KernelBench format), absolute or repo-relative")
+        ] = None,
         gpu_seconds: Annotated[float | None, Field(gt=0, description="Device-seconds budget; capped by config")] = None,
-        max_candidates: Annotated[int | None, Field(gt=0, le=10000, description="submit_candidate budget; capped by config")] = None,
+        max_candidates: Annotated[
+            int | None, Field(gt=0, le=10000, description="submit_candidate budget; capped by config")
+        ] = None,
         wall_seconds: Annotated[float | None, Field(gt=0, description="Wall-time budget; capped by config")] = None,
         task_globals: TaskGlobals = None,
     ) -> StartCampaignResult:
@@ -194,11 +208,22 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def compile_kernel(
         scope: CallScope,
         ctx: Context,
-        source: Annotated[str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")],
+        source: Annotated[
+            str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")
+        ],
         language: Annotated[Literal["triton", "cuda", "hip"], Field(description="Source language")],
-        target: Annotated[str | None, Field(max_length=32, description="sm_90, gfx942, ...; default: this server's device")] = None,
-        flags: Annotated[list[str] | None, Field(max_length=32, description="Extra nvcc/hipcc flags (e.g. -O3, -std=c++17)")] = None,
-        task: Annotated[str | None, Field(description="Triton only: a task file; the candidate runs its first shape so kernels compile for real")] = None,
+        target: Annotated[
+            str | None, Field(max_length=32, description="sm_90, gfx942, ...; default: this server's device")
+        ] = None,
+        flags: Annotated[
+            list[str] | None, Field(max_length=32, description="Extra nvcc/hipcc flags (e.g. -O3, -std=c++17)")
+        ] = None,
+        task: Annotated[
+            str | None,
+            Field(
+                description="Triton only: a task file; the candidate runs its first shape so kernels compile for real"
+            ),
+        ] = None,
         task_globals: TaskGlobals = None,
     ) -> CompileResult:
         """Compile a kernel in the sandbox; per kernel: registers, spills, shared memory,
@@ -208,11 +233,22 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp import judge  # numpy/scipy: loaded on first use, not at start
 
         result, _ = await judge.compile_kernel(
-            config, services.artifacts, source=source, language=language, target=target,
-            flags=flags or [], task=task, progress=progress_of(ctx), task_globals=task_globals)
+            config,
+            services.artifacts,
+            source=source,
+            language=language,
+            target=target,
+            flags=flags or [],
+            task=task,
+            progress=progress_of(ctx),
+            task_globals=task_globals,
+        )
         if not result.ok:
-            where = "; ".join(f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
-                              for d in result.diagnostics if d.severity == "error")
+            where = "; ".join(
+                f"{d.file or source}:{d.line or '?'}: {d.message[:400]}"
+                for d in result.diagnostics
+                if d.severity == "error"
+            )
             raise LoomError(ErrorCode.COMPILE_ERROR, where or "compilation failed")
         return result
 
@@ -221,11 +257,22 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def run_validation(
         scope: CallScope,
         ctx: Context,
-        task: Annotated[str, Field(description="Task file (KernelBench format: Model, get_inputs, get_init_inputs; optional SHAPES, TOLERANCE)")],
-        candidate: Annotated[str, Field(description="Candidate file defining ModelNew with Model's constructor and forward signature")],
-        seeds: Annotated[int | None, Field(ge=1, le=50, description="Seeds per shape (at least the server's policy, default 5)")] = None,
+        task: Annotated[
+            str,
+            Field(
+                description="Task file (KernelBench format: Model, get_inputs, get_init_inputs; optional SHAPES, TOLERANCE)"
+            ),
+        ],
+        candidate: Annotated[
+            str, Field(description="Candidate file defining ModelNew with Model's constructor and forward signature")
+        ],
+        seeds: Annotated[
+            int | None, Field(ge=1, le=50, description="Seeds per shape (at least the server's policy, default 5)")
+        ] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        campaign_id: Annotated[
+            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
+        ] = None,
         task_globals: TaskGlobals = None,
     ) -> RunValidationResult:
         """Check a candidate against the task's reference over every shape x seed (secret seeds;
@@ -235,9 +282,17 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp import judge
 
         result, _, _ = await judge.run_validation(
-            config, services.ledger, services.artifacts, task=task, candidate=candidate,
-            seeds=seeds, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
-            task_globals=campaign_globals(campaign_id, task_globals))
+            config,
+            services.ledger,
+            services.artifacts,
+            task=task,
+            candidate=candidate,
+            seeds=seeds,
+            shapes=shapes,
+            campaign_id=campaign_id,
+            progress=progress_of(ctx),
+            task_globals=campaign_globals(campaign_id, task_globals),
+        )
         return result
 
     @server.tool(title="Benchmark", annotations=RECORDS)
@@ -247,9 +302,13 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ctx: Context,
         task: Annotated[str, Field(description="Task file; its Model is the default baseline")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew")],
-        baseline: Annotated[str | None, Field(description="A candidate file (ModelNew) to compare against instead of the task's Model")] = None,
+        baseline: Annotated[
+            str | None, Field(description="A candidate file (ModelNew) to compare against instead of the task's Model")
+        ] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        campaign_id: Annotated[
+            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
+        ] = None,
         task_globals: TaskGlobals = None,
     ) -> BenchmarkResult:
         """Time candidate vs baseline (the task's Model, or baseline=) interleaved ABBA in warm
@@ -260,9 +319,17 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp import judge
 
         result, _, _, _ = await judge.run_benchmark(
-            config, services.ledger, services.artifacts, task=task, candidate=candidate,
-            baseline=baseline, shapes=shapes, campaign_id=campaign_id, progress=progress_of(ctx),
-            task_globals=campaign_globals(campaign_id, task_globals))
+            config,
+            services.ledger,
+            services.artifacts,
+            task=task,
+            candidate=candidate,
+            baseline=baseline,
+            shapes=shapes,
+            campaign_id=campaign_id,
+            progress=progress_of(ctx),
+            task_globals=campaign_globals(campaign_id, task_globals),
+        )
         return result
 
     @server.tool(title="Profile", annotations=RECORDS)
@@ -270,16 +337,27 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def profile(
         scope: CallScope,
         ctx: Context,
-        profiler: Annotated[Literal["torch", "rocprofv3", "nsys"], Field(description="torch: a task, candidate or script; rocprofv3/nsys: wrap command")] = "torch",
-        task: Annotated[str | None, Field(description="Task file whose Model (or candidate's ModelNew) is profiled")] = None,
+        profiler: Annotated[
+            Literal["torch", "rocprofv3", "nsys"],
+            Field(description="torch: a task, candidate or script; rocprofv3/nsys: wrap command"),
+        ] = "torch",
+        task: Annotated[
+            str | None, Field(description="Task file whose Model (or candidate's ModelNew) is profiled")
+        ] = None,
         candidate: Annotated[str | None, Field(description="Profile this ModelNew instead of the task's Model")] = None,
         shape: Annotated[str | None, Field(description="Task shape name; default the first")] = None,
-        script: Annotated[str | None, Field(description="torch only: a Python script run under the profiler instead of a task")] = None,
+        script: Annotated[
+            str | None, Field(description="torch only: a Python script run under the profiler instead of a task")
+        ] = None,
         args: Annotated[list[str] | None, Field(max_length=64, description="Arguments for script")] = None,
-        command: Annotated[list[str] | None, Field(max_length=256, description="rocprofv3/nsys: the command to run, as argv")] = None,
+        command: Annotated[
+            list[str] | None, Field(max_length=256, description="rocprofv3/nsys: the command to run, as argv")
+        ] = None,
         warmup: Annotated[int, Field(ge=0, le=1000, description="Untraced calls first")] = 3,
         active: Annotated[int, Field(ge=1, le=100, description="Traced calls")] = 5,
-        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        campaign_id: Annotated[
+            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
+        ] = None,
     ) -> ProfileResult:
         """Run a workload under a profiler in the sandbox; the scrubbed trace is stored. torch: the
         task's Model, a candidate's ModelNew or a script (CUDA, ROCm, CPU); rocprofv3 / nsys: wrap
@@ -295,11 +373,24 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         lease_target = target or await judge.pick_target(config)
         async with judge.Leased(config, lease_target, progress_of(ctx)):
             result = await profile_workload(
-                ledger=services.ledger, artifacts=services.artifacts, jobs_dir=config.jobs_dir,
-                cache_dir=config.cache_dir, profiler=profiler, task=task_path, candidate=cand_path,
-                shape=shape, script=script_path, args=args or [], command=command, warmup=warmup,
-                active=active, device=device, timeout_s=config.job_timeout_s,
-                campaign_id=campaign_id, progress=progress_of(ctx))
+                ledger=services.ledger,
+                artifacts=services.artifacts,
+                jobs_dir=config.jobs_dir,
+                cache_dir=config.cache_dir,
+                profiler=profiler,
+                task=task_path,
+                candidate=cand_path,
+                shape=shape,
+                script=script_path,
+                args=args or [],
+                command=command,
+                warmup=warmup,
+                active=active,
+                device=device,
+                timeout_s=config.job_timeout_s,
+                campaign_id=campaign_id,
+                progress=progress_of(ctx),
+            )
         return result
 
     @server.tool(title="Analyze trace", annotations=READ_ONLY)
@@ -307,8 +398,15 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def analyze_trace(
         scope: CallScope,
         ctx: Context,
-        trace: Annotated[str, Field(description="A trace_id from profile, or a trace file: Kineto JSON (.json/.json.gz), rocprofv3 JSON, nsys SQLite")],
-        baseline: Annotated[str | None, Field(description="Another trace id or path: report what got faster or slower")] = None,
+        trace: Annotated[
+            str,
+            Field(
+                description="A trace_id from profile, or a trace file: Kineto JSON (.json/.json.gz), rocprofv3 JSON, nsys SQLite"
+            ),
+        ],
+        baseline: Annotated[
+            str | None, Field(description="Another trace id or path: report what got faster or slower")
+        ] = None,
         top_k: Annotated[int, Field(ge=1, le=50, description="Top ops to list")] = 10,
     ) -> AnalyzeTraceResult:
         """Where the time goes and what is most to win: the GPU timeline (compute, exposed
@@ -319,12 +417,17 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
 
         await ctx.report_progress(0, total=1, message="analyzing trace")
         result = await anyio.to_thread.run_sync(
-            analyze, config, services.ledger, services.artifacts, trace, baseline, top_k)
+            analyze, config, services.ledger, services.artifacts, trace, baseline, top_k
+        )
         await ctx.report_progress(1, total=1, message="done")
         return result
 
-    @server.resource("loom://traces/{analysis_id}/analysis", name="trace_analysis",
-                     title="Full trace analysis (JSON tables)", mime_type="application/json")
+    @server.resource(
+        "loom://traces/{analysis_id}/analysis",
+        name="trace_analysis",
+        title="Full trace analysis (JSON tables)",
+        mime_type="application/json",
+    )
     def trace_analysis_resource(analysis_id: str) -> str:
         from loom_mcp.profiling.analysis import analysis_file
 
@@ -333,8 +436,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         except LoomError as exc:
             raise ResourceNotFoundError(str(exc)) from exc
 
-    @server.resource("loom://traces/{analysis_id}/breakdown.png", name="trace_breakdown",
-                     title="Time breakdown plot", mime_type="image/png")
+    @server.resource(
+        "loom://traces/{analysis_id}/breakdown.png",
+        name="trace_breakdown",
+        title="Time breakdown plot",
+        mime_type="image/png",
+    )
     def trace_breakdown_resource(analysis_id: str) -> bytes:
         from loom_mcp.profiling.analysis import analysis_file
 
@@ -350,8 +457,13 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ctx: Context,
         campaign_id: Annotated[str, Field(description="From start_campaign")],
         task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
-        candidate: Annotated[str, Field(description="Candidate file defining ModelNew (inside the campaign repo, or anywhere allowed)")],
-        paths: Annotated[list[str] | None, Field(max_length=200, description="Other repo-relative files of the change; frozen with the candidate")] = None,
+        candidate: Annotated[
+            str, Field(description="Candidate file defining ModelNew (inside the campaign repo, or anywhere allowed)")
+        ],
+        paths: Annotated[
+            list[str] | None,
+            Field(max_length=200, description="Other repo-relative files of the change; frozen with the candidate"),
+        ] = None,
         task_globals: TaskGlobals = None,
     ) -> SubmitResult:
         """The gate, the only way a change is accepted. The server freezes the candidate (content
@@ -363,8 +475,16 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp.submissions import submit_candidate as submit
 
         result, _ = await submit(
-            config, services.ledger, services.artifacts, campaign_id=campaign_id, task=task,
-            candidate=candidate, paths=paths, progress=progress_of(ctx), task_globals=task_globals)
+            config,
+            services.ledger,
+            services.artifacts,
+            campaign_id=campaign_id,
+            task=task,
+            candidate=candidate,
+            paths=paths,
+            progress=progress_of(ctx),
+            task_globals=task_globals,
+        )
         return result
 
     @server.tool(title="Campaign report", annotations=READ_ONLY)
@@ -379,17 +499,26 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
 
         from loom_mcp.report.campaign import write_report
 
-        report = await anyio.to_thread.run_sync(
-            write_report, config, services.ledger, services.artifacts, campaign_id)
+        report = await anyio.to_thread.run_sync(write_report, config, services.ledger, services.artifacts, campaign_id)
         return CampaignReportResult(
-            campaign_id=campaign_id, accepted=len(report.accepted), attempts=len(report.attempts),
-            cumulative_speedup=report.cumulative_speedup, branch=report.branch,
-            branch_tip=report.branch_tip, outcome_rates=report.outcome_rates,
-            budgets=report.budgets, files=report.files,
-            next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}")
+            campaign_id=campaign_id,
+            accepted=len(report.accepted),
+            attempts=len(report.attempts),
+            cumulative_speedup=report.cumulative_speedup,
+            branch=report.branch,
+            branch_tip=report.branch_tip,
+            outcome_rates=report.outcome_rates,
+            budgets=report.budgets,
+            files=report.files,
+            next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}",
+        )
 
-    @server.resource("loom://campaigns/{campaign_id}/report", name="campaign_report",
-                     title="Campaign report (Markdown)", mime_type="text/markdown")
+    @server.resource(
+        "loom://campaigns/{campaign_id}/report",
+        name="campaign_report",
+        title="Campaign report (Markdown)",
+        mime_type="text/markdown",
+    )
     def campaign_report_resource(campaign_id: str) -> str:
         path = config.home / "reports" / campaign_id / "report.md"
         if not path.is_file():
@@ -401,18 +530,60 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def benchmark_command(
         scope: CallScope,
         ctx: Context,
-        command: Annotated[list[str], Field(min_length=1, max_length=256, description="The candidate, as argv; with revisions, what both arms run")],
-        baseline_command: Annotated[list[str] | None, Field(min_length=1, max_length=256, description="The baseline, as argv; with revisions, defaults to `command`")] = None,
-        metrics: Annotated[list[str] | None, Field(max_length=20, description="Metrics to compare (name, or name:higher / name:lower); default: the parser's headline ones")] = None,
+        command: Annotated[
+            list[str],
+            Field(
+                min_length=1, max_length=256, description="The candidate, as argv; with revisions, what both arms run"
+            ),
+        ],
+        baseline_command: Annotated[
+            list[str] | None,
+            Field(
+                min_length=1, max_length=256, description="The baseline, as argv; with revisions, defaults to `command`"
+            ),
+        ] = None,
+        metrics: Annotated[
+            list[str] | None,
+            Field(
+                max_length=20,
+                description="Metrics to compare (name, or name:higher / name:lower); default: the parser's headline ones",
+            ),
+        ] = None,
         runs: Annotated[int, Field(ge=3, le=200, description="Runs per arm, interleaved ABBA")] = 5,
-        parser: Annotated[Literal["auto", "json", "vllm", "sglang"], Field(description="json: last JSON object on stdout; vllm / sglang: their benchmark result JSON")] = "auto",
-        metrics_file: Annotated[str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")] = None,
-        cwd: Annotated[str | None, Field(description="Working directory of both commands; with revisions, the same path inside each worktree")] = None,
+        parser: Annotated[
+            Literal["auto", "json", "vllm", "sglang"],
+            Field(description="json: last JSON object on stdout; vllm / sglang: their benchmark result JSON"),
+        ] = "auto",
+        metrics_file: Annotated[
+            str | None, Field(description="Read metrics from this file (relative to cwd) instead of stdout")
+        ] = None,
+        cwd: Annotated[
+            str | None,
+            Field(description="Working directory of both commands; with revisions, the same path inside each worktree"),
+        ] = None,
         warmup: Annotated[int, Field(ge=0, le=10, description="Unrecorded runs per arm first")] = 0,
-        baseline_revision: Annotated[str | None, Field(min_length=1, max_length=256, description="A git revision (commit, branch, tag): each arm then runs in a fresh worktree of `repo` at its own revision (committed content only)")] = None,
-        revision: Annotated[str | None, Field(min_length=1, max_length=256, description="The candidate arm's revision (default HEAD); needs baseline_revision")] = None,
-        repo: Annotated[str | None, Field(description="The git repository of the revisions (default: cwd, else the campaign's)")] = None,
-        campaign_id: Annotated[str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")] = None,
+        baseline_revision: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=256,
+                description="A git revision (commit, branch, tag): each arm then runs in a fresh worktree of `repo` at its own revision (committed content only)",
+            ),
+        ] = None,
+        revision: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=256,
+                description="The candidate arm's revision (default HEAD); needs baseline_revision",
+            ),
+        ] = None,
+        repo: Annotated[
+            str | None, Field(description="The git repository of the revisions (default: cwd, else the campaign's)")
+        ] = None,
+        campaign_id: Annotated[
+            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
+        ] = None,
     ) -> CommandBenchmarkResult:
         """Compare two whole programs (a model server benchmark, a script), or one command at
         two git revisions, `runs` times each interleaved ABBA in the sandbox (loopback network only):
@@ -421,22 +592,36 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp.command_benchmark import run_command_benchmark
 
         return await run_command_benchmark(
-            config, services.ledger, services.artifacts, command=command,
-            baseline_command=baseline_command, metrics=metrics, runs=runs, parser=parser,
-            metrics_file=metrics_file, cwd=cwd, warmup=warmup,
-            baseline_revision=baseline_revision, revision=revision, repo=repo,
-            campaign_id=campaign_id, progress=progress_of(ctx))
+            config,
+            services.ledger,
+            services.artifacts,
+            command=command,
+            baseline_command=baseline_command,
+            metrics=metrics,
+            runs=runs,
+            parser=parser,
+            metrics_file=metrics_file,
+            cwd=cwd,
+            warmup=warmup,
+            baseline_revision=baseline_revision,
+            revision=revision,
+            repo=repo,
+            campaign_id=campaign_id,
+            progress=progress_of(ctx),
+        )
 
-    @server.resource("loom://runs/{run_id}", name="run", title="Full validation/benchmark record",
-                     mime_type="application/json")
+    @server.resource(
+        "loom://runs/{run_id}", name="run", title="Full validation/benchmark record", mime_type="application/json"
+    )
     def run_resource(run_id: str) -> str:
         row = services.ledger.run(run_id)
         if row is None:
             raise ResourceNotFoundError(f"no run {run_id!r}")
         return services.artifacts.get_bytes(row["record_sha"]).decode()
 
-    @server.resource("loom://campaigns/{campaign_id}", name="campaign", title="Campaign record",
-                     mime_type="application/json")
+    @server.resource(
+        "loom://campaigns/{campaign_id}", name="campaign", title="Campaign record", mime_type="application/json"
+    )
     def campaign_resource(campaign_id: str) -> str:
         row = services.ledger.campaign(campaign_id)
         if row is None:
@@ -476,8 +661,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
 
     full_output_schemas = tighten_tools(server._tool_manager.list_tools())
 
-    @server.resource("loom://schemas/{tool}", name="output_schema", mime_type="application/json",
-                     title="A tool's full output schema (tools/list publishes nested objects untyped)")
+    @server.resource(
+        "loom://schemas/{tool}",
+        name="output_schema",
+        mime_type="application/json",
+        title="A tool's full output schema (tools/list publishes nested objects untyped)",
+    )
     def output_schema_resource(tool: str) -> str:
         if tool not in full_output_schemas:
             raise ResourceNotFoundError(f"no tool {tool!r}; the tools are: {', '.join(full_output_schemas)}")

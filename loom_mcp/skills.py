@@ -54,10 +54,7 @@ def _tree(path: Path) -> dict[str, bytes]:
     return {
         p.relative_to(path).as_posix(): p.read_bytes()
         for p in sorted(path.rglob("*"))
-        if p.is_file()
-        and not any(
-            part.startswith(".") or part == "__pycache__" for part in p.relative_to(path).parts
-        )
+        if p.is_file() and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(path).parts)
     }
 
 

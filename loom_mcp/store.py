@@ -139,8 +139,7 @@ def expected_tables(version: int) -> dict[str, frozenset[str]]:
 
 
 def _tables(db: sqlite3.Connection) -> dict[str, frozenset[str]]:
-    names = [r[0] for r in db.execute(
-        "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")]
+    names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'")]
     return {name: frozenset(r[1] for r in db.execute(f'PRAGMA table_info("{name}")')) for name in names}
 
 
@@ -157,17 +156,20 @@ def ledger_recovery_hint(path: Path, empty: bool = False) -> str:
     aside = f"mv {p} {shlex.quote(str(path) + '.broken')}"
     side = f" (and {p}-wal / {p}-shm if present)"
     if empty:
-        return (f"It holds no records: move it aside ({aside}{side}) or delete it; a server that "
-                "finds no ledger creates a new one.")
-    return (f"loom-mcp will not start on it and never replaces an existing ledger. To save what it "
-            f"holds: sqlite3 {p} .recover | sqlite3 {shlex.quote(str(path) + '.recovered')} and, if "
-            f"that works, move the .recovered file into its place; to start with an empty ledger, "
-            f"move it aside: {aside}{side}; a server that finds no ledger creates a new one.")
+        return (
+            f"It holds no records: move it aside ({aside}{side}) or delete it; a server that "
+            "finds no ledger creates a new one."
+        )
+    return (
+        f"loom-mcp will not start on it and never replaces an existing ledger. To save what it "
+        f"holds: sqlite3 {p} .recover | sqlite3 {shlex.quote(str(path) + '.recovered')} and, if "
+        f"that works, move the .recovered file into its place; to start with an empty ledger, "
+        f"move it aside: {aside}{side}; a server that finds no ledger creates a new one."
+    )
 
 
 def _corrupt(path: Path, reason: str, empty: bool = False) -> LoomError:
-    return LoomError(ErrorCode.LEDGER_CORRUPT,
-                     f"ledger {path} {reason}. {ledger_recovery_hint(path, empty)}")
+    return LoomError(ErrorCode.LEDGER_CORRUPT, f"ledger {path} {reason}. {ledger_recovery_hint(path, empty)}")
 
 
 def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
@@ -175,13 +177,13 @@ def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
     schema version. Reads only: nothing is written to the file."""
     size = path.stat().st_size
     if size == 0:
-        raise _corrupt(path, "is empty (0 bytes: a copy cut short, or a first start killed before "
-                             "it wrote anything)", empty=True)
+        raise _corrupt(
+            path, "is empty (0 bytes: a copy cut short, or a first start killed before it wrote anything)", empty=True
+        )
     with open(path, "rb") as fh:
         header = fh.read(len(SQLITE_HEADER))
     if header != SQLITE_HEADER:
-        raise _corrupt(path, f"is not an SQLite database (its {size} bytes do not start with the "
-                             "SQLite header)")
+        raise _corrupt(path, f"is not an SQLite database (its {size} bytes do not start with the SQLite header)")
     own = db is None
     if own:
         db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
@@ -192,8 +194,11 @@ def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
             version = int(db.execute("PRAGMA user_version").fetchone()[0])
             tables = _tables(db)
         except sqlite3.DatabaseError as exc:
-            if _sqlite_code(exc) in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in str(exc) \
-                    or "not a database" in str(exc):
+            if (
+                _sqlite_code(exc) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+                or "malformed" in str(exc)
+                or "not a database" in str(exc)
+            ):
                 raise _corrupt(path, f"is damaged (SQLite: {exc}; truncated or overwritten?)") from exc
             raise
     finally:
@@ -205,13 +210,15 @@ def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
     if version > SCHEMA_VERSION:
         raise LoomError(
             ErrorCode.INTERNAL,
-            f"ledger {path} has schema v{version}, newer than this loom-mcp (v{SCHEMA_VERSION}); "
-            "upgrade loom-mcp",
+            f"ledger {path} has schema v{version}, newer than this loom-mcp (v{SCHEMA_VERSION}); upgrade loom-mcp",
         )
     if version == 0:
         if tables:  # someone else's database, or a ledger whose version stamp was wiped
-            raise _corrupt(path, f"is an SQLite database without a loom schema version, holding "
-                                 f"tables {', '.join(sorted(tables))}: not a loom ledger")
+            raise _corrupt(
+                path,
+                f"is an SQLite database without a loom schema version, holding "
+                f"tables {', '.join(sorted(tables))}: not a loom ledger",
+            )
         return 0  # a ledger whose first migration never committed: nothing in it yet
     wrong = []
     for table, columns in expected_tables(version).items():
@@ -220,8 +227,7 @@ def check_ledger(path: Path, db: sqlite3.Connection | None = None) -> int:
         elif columns - tables[table]:
             wrong.append(f"table {table} lacks {', '.join(sorted(columns - tables[table]))}")
     if wrong:
-        raise _corrupt(path, f"does not have the schema its version (v{version}) promises: "
-                             f"{'; '.join(wrong)}")
+        raise _corrupt(path, f"does not have the schema its version (v{version}) promises: {'; '.join(wrong)}")
     return version
 
 
@@ -315,8 +321,9 @@ class Ledger:
             _create_ledger(path)
         # mode=rw: never create here; a ledger that vanished between the look and the open is an
         # error, not an invitation to start an empty one.
-        self._db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=30,
-                                   isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(
+            f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=30, isolation_level=None, check_same_thread=False
+        )
         try:
             check_ledger(path, self._db)
         except BaseException:
@@ -444,14 +451,20 @@ class Ledger:
         return dict(row) if row else None
 
     # -- runs (full records live in the artifact store; the ledger keeps the index)
-    def insert_run(self, run_id: str, kind: str, record_sha: str, summary: dict[str, Any],
-                   campaign_id: str | None = None, reuse_key: str | None = None) -> None:
+    def insert_run(
+        self,
+        run_id: str,
+        kind: str,
+        record_sha: str,
+        summary: dict[str, Any],
+        campaign_id: str | None = None,
+        reuse_key: str | None = None,
+    ) -> None:
         with self.transaction() as db:
             db.execute(
                 "INSERT INTO runs(id, kind, campaign_id, created_at, record_sha, summary_json, reuse_key)"
                 " VALUES (?,?,?,?,?,?,?)",
-                (run_id, kind, campaign_id, time.time(), record_sha, orjson.dumps(summary).decode(),
-                 reuse_key),
+                (run_id, kind, campaign_id, time.time(), record_sha, orjson.dumps(summary).decode(), reuse_key),
             )
 
     def runs_with_key(self, kind: str, reuse_key: str) -> list[dict[str, Any]]:
@@ -459,8 +472,8 @@ class Ledger:
         first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM runs WHERE kind=? AND reuse_key=? ORDER BY created_at DESC",
-                (kind, reuse_key)).fetchall()
+                "SELECT * FROM runs WHERE kind=? AND reuse_key=? ORDER BY created_at DESC", (kind, reuse_key)
+            ).fetchall()
         return [dict(r) for r in rows]
 
     def run(self, run_id: str) -> dict[str, Any] | None:
@@ -470,8 +483,9 @@ class Ledger:
 
     def runs_of(self, campaign_id: str, kind: str) -> list[dict[str, Any]]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM runs WHERE campaign_id=? AND kind=? ORDER BY created_at",
-                                    (campaign_id, kind)).fetchall()
+            rows = self._db.execute(
+                "SELECT * FROM runs WHERE campaign_id=? AND kind=? ORDER BY created_at", (campaign_id, kind)
+            ).fetchall()
         return [dict(r) for r in rows]
 
     # -- submissions
@@ -481,8 +495,9 @@ class Ledger:
         with self.transaction() as db:
             db.execute(f"INSERT INTO submissions({cols}) VALUES ({marks})", tuple(row.values()))
 
-    SUBMISSION_FIELDS = frozenset({"status", "finished_at", "validation_id", "benchmark_id",
-                                   "verdict_json", "commit_sha", "worktree"})
+    SUBMISSION_FIELDS = frozenset(
+        {"status", "finished_at", "validation_id", "benchmark_id", "verdict_json", "commit_sha", "worktree"}
+    )
 
     def update_submission(self, submission_id: str, **fields: Any) -> None:
         unknown = set(fields) - self.SUBMISSION_FIELDS
@@ -516,8 +531,8 @@ class Ledger:
         """Ids of submissions still running in a live process (their worktree dirs carry the id)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, pid FROM submissions WHERE campaign_id=? AND status='running'",
-                (campaign_id,)).fetchall()
+                "SELECT id, pid FROM submissions WHERE campaign_id=? AND status='running'", (campaign_id,)
+            ).fetchall()
         return {r["id"] for r in rows if r["pid"] == os.getpid() or _pid_alive(r["pid"])}
 
     def clear_worktree(self, submission_id: str) -> None:
@@ -527,8 +542,7 @@ class Ledger:
     def record_artifact(self, sha256: str, size: int, kind: str, name: str | None) -> None:
         with self.transaction() as db:
             db.execute(
-                "INSERT OR IGNORE INTO artifacts(sha256, size, kind, name, created_at)"
-                " VALUES (?,?,?,?,?)",
+                "INSERT OR IGNORE INTO artifacts(sha256, size, kind, name, created_at) VALUES (?,?,?,?,?)",
                 (sha256, size, kind, name, time.time()),
             )
 

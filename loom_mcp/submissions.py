@@ -31,8 +31,9 @@ log = logging.getLogger("loom_mcp")
 
 # Errors a candidate can cause while it is judged (it hangs, exhausts a sandbox limit, kills its
 # worker, does not compile): such a submission spends a candidate like any verdict.
-CANDIDATE_ERRORS = frozenset({ErrorCode.TIMEOUT, ErrorCode.RESOURCE_LIMIT, ErrorCode.WORKER_CRASHED,
-                              ErrorCode.COMPILE_ERROR})
+CANDIDATE_ERRORS = frozenset(
+    {ErrorCode.TIMEOUT, ErrorCode.RESOURCE_LIMIT, ErrorCode.WORKER_CRASHED, ErrorCode.COMPILE_ERROR}
+)
 
 
 def candidate_failure(exc: BaseException) -> bool:
@@ -63,20 +64,26 @@ def campaign_budgets(campaign: dict, ceiling: Budgets | None) -> tuple[Budgets, 
     except (ValueError, TypeError):
         if ceiling is None:
             raise
-        notes.append(f"campaign {campaign['id']}'s budgets in the ledger do not parse; the "
-                     "server's configured ceilings apply")
+        notes.append(
+            f"campaign {campaign['id']}'s budgets in the ledger do not parse; the server's configured ceilings apply"
+        )
         return ceiling, notes
     if ceiling is None:
         return recorded, notes
     from loom_mcp.campaigns import cap_budgets
 
     effective = cap_budgets(recorded, ceiling)
-    raised = [f"{k} {getattr(recorded, k):g} > {getattr(ceiling, k):g}" for k in BUDGET_KEYS
-              if getattr(recorded, k) > getattr(ceiling, k)]
+    raised = [
+        f"{k} {getattr(recorded, k):g} > {getattr(ceiling, k):g}"
+        for k in BUDGET_KEYS
+        if getattr(recorded, k) > getattr(ceiling, k)
+    ]
     if raised:
-        notes.append(f"the ledger records budgets above this server's ceilings for campaign "
-                     f"{campaign['id']} ({', '.join(raised)}): the ledger was edited, or loom.toml "
-                     "lowered them since; the configured ceilings apply")
+        notes.append(
+            f"the ledger records budgets above this server's ceilings for campaign "
+            f"{campaign['id']} ({', '.join(raised)}): the ledger was edited, or loom.toml "
+            "lowered them since; the configured ceilings apply"
+        )
     return effective, notes
 
 
@@ -95,17 +102,18 @@ def check_budgets(ledger: Ledger, campaign: dict, ceiling: Budgets | None = None
     left = budget_left(ledger, campaign, ceiling)
     spent = [k for k, v in left.items() if v <= 0]
     if spent:
-        raise LoomError(ErrorCode.BUDGET_EXHAUSTED,
-                        f"campaign {campaign['id']} has used its {', '.join(spent)} budget "
-                        f"(left: {left}); campaign_report summarizes it, a human can raise budgets in loom.toml "
-                        "for a new campaign" + "".join(f" (note: {n})" for n in notes))
+        raise LoomError(
+            ErrorCode.BUDGET_EXHAUSTED,
+            f"campaign {campaign['id']} has used its {', '.join(spent)} budget "
+            f"(left: {left}); campaign_report summarizes it, a human can raise budgets in loom.toml "
+            "for a new campaign" + "".join(f" (note: {n})" for n in notes),
+        )
     return left
 
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
     """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
-    files: dict[str, str | None] = {
-        f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
+    files: dict[str, str | None] = {f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
@@ -114,14 +122,13 @@ def _source_bytes(data: bytes, path: Path, what: str) -> bytes:
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise LoomError(ErrorCode.BAD_INPUT,
-                        f"{what} {path} is not UTF-8 text (byte {exc.start}); a {what} is a Python "
-                        "source file") from None
+        raise LoomError(
+            ErrorCode.BAD_INPUT, f"{what} {path} is not UTF-8 text (byte {exc.start}); a {what} is a Python source file"
+        ) from None
     return data
 
 
-def _materialize_task(worktree: Path, task_rel: str, task_bytes: bytes,
-                      declared_baseline: str | None) -> str | None:
+def _materialize_task(worktree: Path, task_rel: str, task_bytes: bytes, declared_baseline: str | None) -> str | None:
     """Write a task missing from the worktree (and the BASELINE it names, when that is missing
     too) beside where it lives in the repo; None when that directory is not in the worktree
     (the caller then puts the task beside the worktree)."""
@@ -145,8 +152,15 @@ def _relative_in(repo: Path, path: Path) -> str | None:
 
 
 async def submit_candidate(
-    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, *, campaign_id: str, task: str,
-    candidate: str, paths: list[str] | None, progress: Progress | None,
+    config: LoomConfig,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    *,
+    campaign_id: str,
+    task: str,
+    candidate: str,
+    paths: list[str] | None,
+    progress: Progress | None,
     task_globals: dict | None = None,
 ) -> tuple[SubmitResult, float]:
     from loom_mcp import judge
@@ -164,9 +178,11 @@ async def submit_candidate(
     recorded = campaign_task_globals(campaign)
     task_globals = judge.checked_task_globals(task_path, task_globals) or recorded
     if task_globals != recorded:
-        raise LoomError(ErrorCode.BAD_INPUT,
-                        f"task_globals {task_globals} differ from the campaign's {recorded or '{}'}: "
-                        "submissions are judged with the campaign's; start a new campaign for others")
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"task_globals {task_globals} differ from the campaign's {recorded or '{}'}: "
+            "submissions are judged with the campaign's; start a new campaign for others",
+        )
     worktrees_root = config.home / "worktrees" / campaign_id
     device_seconds = 0.0
 
@@ -188,23 +204,35 @@ async def submit_candidate(
             guarded = {task_rel, *([str(Path(task_rel).parent / Path(declared).name)] if declared else [])}
         touched = sorted(guarded & set(change.files))
         if touched:
-            raise LoomError(ErrorCode.BAD_INPUT,
-                            f"the submission changes {', '.join(touched)}: the task and its baseline are "
-                            "the yardstick, not part of the candidate; submit only the candidate's files")
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"the submission changes {', '.join(touched)}: the task and its baseline are "
+                "the yardstick, not part of the candidate; submit only the candidate's files",
+            )
         task_bytes = _source_bytes(safefs.read_resolved_bytes(task_path), task_path, "task")
         task_sha = artifacts.put_bytes(task_bytes, kind="task", name=task_path.name)
         frozen_bytes = change.content_bytes(cand_rel) if cand_rel in change.files else None
         # Unchanged since the base (only other paths changed): the file as it is now is the candidate.
         cand_bytes = frozen_bytes if frozen_bytes is not None else safefs.read_resolved_bytes(cand_path)
-        cand_sha = artifacts.put_bytes(_source_bytes(cand_bytes, cand_path, "candidate"),
-                                       kind="candidate", name=cand_rel)
+        cand_sha = artifacts.put_bytes(
+            _source_bytes(cand_bytes, cand_path, "candidate"), kind="candidate", name=cand_rel
+        )
         declared_baseline = judge.task_baseline(task_path) if task_rel else None
         submission_id = new_run_id("submission")
-        ledger.insert_submission({
-            "id": submission_id, "campaign_id": campaign_id, "created_at": time.time(),
-            "status": "running", "task": str(task_path), "task_sha": task_sha,
-            "candidate": str(cand_path), "candidate_sha": cand_sha, "pid": os.getpid(),
-            "config_fingerprint": config.fingerprint()})
+        ledger.insert_submission(
+            {
+                "id": submission_id,
+                "campaign_id": campaign_id,
+                "created_at": time.time(),
+                "status": "running",
+                "task": str(task_path),
+                "task_sha": task_sha,
+                "candidate": str(cand_path),
+                "candidate_sha": cand_sha,
+                "pid": os.getpid(),
+                "config_fingerprint": config.fingerprint(),
+            }
+        )
         tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
         worktree = None
         try:
@@ -223,52 +251,81 @@ async def submit_candidate(
 
             compile_evidence = CompileEvidence(ok=True, language="python")
             # Beneath the worktree, following no link: the frozen candidate is a file of the change.
-            source = safefs.read_text(worktree, cand_rel, safefs.MAX_SOURCE_BYTES,
-                                      allow_hardlinks=True)
+            source = safefs.read_text(worktree, cand_rel, safefs.MAX_SOURCE_BYTES, allow_hardlinks=True)
             if "@triton.jit" in source or "@triton.autotune" in source:
                 if progress:
                     await progress("compiling")
                 compiled, secs = await judge.compile_kernel(
-                    config, artifacts, source=str(frozen_cand), language="triton", target=None, flags=[],
-                    task=str(frozen_task), progress=progress, task_globals=task_globals)
+                    config,
+                    artifacts,
+                    source=str(frozen_cand),
+                    language="triton",
+                    target=None,
+                    flags=[],
+                    task=str(frozen_task),
+                    progress=progress,
+                    task_globals=task_globals,
+                )
                 device_seconds += secs
                 compile_evidence = CompileEvidence(
-                    ok=compiled.ok, language="triton", artifact_id=compiled.artifact_id,
-                    diagnostics=[Diagnostic(severity=d.severity, message=d.message, file=d.file, line=d.line)
-                                 for d in compiled.diagnostics])
+                    ok=compiled.ok,
+                    language="triton",
+                    artifact_id=compiled.artifact_id,
+                    diagnostics=[
+                        Diagnostic(severity=d.severity, message=d.message, file=d.file, line=d.line)
+                        for d in compiled.diagnostics
+                    ],
+                )
             # Each accepted step must beat the previous one, not just the reference: the chain's
             # speedups then multiply into a true cumulative figure.
             previous = last_accepted(ledger, campaign_id, task_sha)
             baseline_file = None
             if previous is not None:
                 baseline_file = worktree.parent / f"{submission_id}.baseline.py"
-                safefs.write_bytes(worktree.parent, baseline_file.name,
-                                   artifacts.get_bytes(previous["candidate_sha"]))
+                safefs.write_bytes(worktree.parent, baseline_file.name, artifacts.get_bytes(previous["candidate_sha"]))
             validation = benchmark = None
             validation_id = benchmark_id = None
             if compile_evidence.ok:
                 # A full validation of these exact bytes on this device and software (the agent's
                 # own run_validation before submitting, say) is evidence already: reuse it.
-                reused = await judge.reusable_validation(config, ledger, artifacts,
-                                                         task=frozen_task, candidate=frozen_cand,
-                                                         task_globals=task_globals)
+                reused = await judge.reusable_validation(
+                    config, ledger, artifacts, task=frozen_task, candidate=frozen_cand, task_globals=task_globals
+                )
                 if reused is not None:
                     validation_id, validation = reused
                     if progress:
-                        await progress(f"reusing validation {validation_id}: same task and candidate "
-                                       "bytes, device, software and policy")
+                        await progress(
+                            f"reusing validation {validation_id}: same task and candidate "
+                            "bytes, device, software and policy"
+                        )
                 else:
                     v_result, validation, secs = await judge.run_validation(
-                        config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
-                        seeds=None, shapes=None, campaign_id=campaign_id, progress=progress,
-                        task_globals=task_globals)
+                        config,
+                        ledger,
+                        artifacts,
+                        task=str(frozen_task),
+                        candidate=str(frozen_cand),
+                        seeds=None,
+                        shapes=None,
+                        campaign_id=campaign_id,
+                        progress=progress,
+                        task_globals=task_globals,
+                    )
                     device_seconds += secs
                     validation_id = v_result.validation_id
                 if validation.passed:
                     b_result, benchmark, _, secs = await judge.run_benchmark(
-                        config, ledger, artifacts, task=str(frozen_task), candidate=str(frozen_cand),
-                        baseline=str(baseline_file) if baseline_file else None, shapes=None,
-                        campaign_id=campaign_id, progress=progress, task_globals=task_globals)
+                        config,
+                        ledger,
+                        artifacts,
+                        task=str(frozen_task),
+                        candidate=str(frozen_cand),
+                        baseline=str(baseline_file) if baseline_file else None,
+                        shapes=None,
+                        campaign_id=campaign_id,
+                        progress=progress,
+                        task_globals=task_globals,
+                    )
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id
             verdict: Verdict = decide(compile_evidence, validation, benchmark, config.gate)
@@ -277,14 +334,23 @@ async def submit_candidate(
                 if progress:
                     await progress("accepted: committing to " + campaign["branch"])
                 commit = gitops.commit_accepted(
-                    repo, worktree, campaign["branch"], tip,
+                    repo,
+                    worktree,
+                    campaign["branch"],
+                    tip,
                     message=f"loom: {Path(cand_rel).name} x{verdict.speedup:.3f} for {task_path.name}\n\n"
-                            f"Campaign {campaign_id}: {campaign['goal']}",
-                    trailers=trailers(verdict, validation_id, benchmark_id, benchmark, task_globals))
+                    f"Campaign {campaign_id}: {campaign['goal']}",
+                    trailers=trailers(verdict, validation_id, benchmark_id, benchmark, task_globals),
+                )
             ledger.update_submission(
-                submission_id, status=verdict.verdict, finished_at=time.time(),
-                validation_id=validation_id, benchmark_id=benchmark_id,
-                verdict_json=verdict.model_dump_json(), commit_sha=commit)
+                submission_id,
+                status=verdict.verdict,
+                finished_at=time.time(),
+                validation_id=validation_id,
+                benchmark_id=benchmark_id,
+                verdict_json=verdict.model_dump_json(),
+                commit_sha=commit,
+            )
         except BaseException as exc:
             # A failure that is not the candidate's (ours, the infrastructure's, a cancelled call)
             # is recorded as `void` and spends no candidate budget.
@@ -305,12 +371,21 @@ async def submit_candidate(
     else:
         next_step = review_explanation(list(verdict.reason_codes), str(config.home / CONFIG_FILE))
     result = SubmitResult(
-        submission_id=submission_id, verdict=verdict.verdict, reasons=verdict.reasons,
-        reason_codes=list(verdict.reason_codes), speedup=verdict.speedup,
-        speedup_ci_low=verdict.speedup_ci_low, speedup_ci_high=verdict.speedup_ci_high,
-        validation_id=validation_id, benchmark_id=benchmark_id, commit=commit,
-        branch=campaign["branch"], change_digest=change.digest,
-        budget_left=budget_left(ledger, campaign, config.budgets), next_step=next_step)
+        submission_id=submission_id,
+        verdict=verdict.verdict,
+        reasons=verdict.reasons,
+        reason_codes=list(verdict.reason_codes),
+        speedup=verdict.speedup,
+        speedup_ci_low=verdict.speedup_ci_low,
+        speedup_ci_high=verdict.speedup_ci_high,
+        validation_id=validation_id,
+        benchmark_id=benchmark_id,
+        commit=commit,
+        branch=campaign["branch"],
+        change_digest=change.digest,
+        budget_left=budget_left(ledger, campaign, config.budgets),
+        next_step=next_step,
+    )
     return result, device_seconds
 
 
@@ -319,14 +394,16 @@ def last_accepted(ledger: Ledger, campaign_id: str, task_sha: str) -> dict | Non
     return accepted[-1] if accepted else None
 
 
-def trailers(verdict: Verdict, validation_id, benchmark_id, benchmark,
-             task_globals: dict | None = None) -> dict[str, str]:
+def trailers(
+    verdict: Verdict, validation_id, benchmark_id, benchmark, task_globals: dict | None = None
+) -> dict[str, str]:
     device = benchmark.device if benchmark else "unknown"
     extra = {"Loom-Task-Globals": orjson.dumps(task_globals).decode()} if task_globals else {}
-    return {**extra,
+    return {
+        **extra,
         "Loom-Verdict": verdict.verdict,
         "Loom-Speedup": f"{verdict.speedup:.4f}x [{verdict.speedup_ci_low:.4f}, {verdict.speedup_ci_high:.4f}] "
-                        f"{int(round((verdict.ci_level or 0.95) * 100))}% CI",
+        f"{int(round((verdict.ci_level or 0.95) * 100))}% CI",
         "Loom-Evidence": f"{validation_id}, {benchmark_id}",
         "Loom-Device": f"{device} ({benchmark.timer})" if benchmark else device,
     }

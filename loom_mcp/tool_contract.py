@@ -104,8 +104,10 @@ def published_output_schema(schema: dict[str, Any]) -> dict[str, Any]:
             return node
         if "$ref" in node:
             return {"type": "object"}
-        out = {key: ({n: shallow(s) for n, s in value.items()} if key in _SCHEMA_MAPS else shallow(value))
-               for key, value in node.items()}
+        out = {
+            key: ({n: shallow(s) for n, s in value.items()} if key in _SCHEMA_MAPS else shallow(value))
+            for key, value in node.items()
+        }
         merged = _merged_types(out.get("anyOf"))
         if merged is not None:
             del out["anyOf"]
@@ -167,27 +169,36 @@ def argument_error(tool: str, exc: ValidationError, accepted: dict[str, bool]) -
     return LoomError(ErrorCode.BAD_INPUT, f"invalid arguments: {'; '.join(problems)}{hint}")
 
 
-def absolute_paths(tool: str, arguments: dict[str, Any],
-                   campaign_repo: Callable[[str], Path | None],
-                   known_id: Callable[[str], bool] = lambda _: False) -> dict[str, Any]:
+def absolute_paths(
+    tool: str,
+    arguments: dict[str, Any],
+    campaign_repo: Callable[[str], Path | None],
+    known_id: Callable[[str], bool] = lambda _: False,
+) -> dict[str, Any]:
     """`arguments` with relative paths made absolute against the campaign's repository when the
     call names a campaign_id; without one a relative path is refused. `known_id` says a value
     is an id rather than a path (analyze_trace takes either)."""
     names = [n for n in PATH_ARGUMENTS.get(tool, ()) if isinstance(arguments.get(n), str)]
-    relative = [n for n in names if arguments[n] and not os.path.isabs(os.path.expanduser(arguments[n]))
-                and not known_id(arguments[n])]
+    relative = [
+        n
+        for n in names
+        if arguments[n] and not os.path.isabs(os.path.expanduser(arguments[n])) and not known_id(arguments[n])
+    ]
     if not relative:
         return arguments
     campaign_id = arguments.get("campaign_id")
     if tool in IDS_OR_PATHS:
         listed = ", ".join(repr(arguments[n])[:300] for n in relative)
-        raise LoomError(ErrorCode.NOT_FOUND, f"no {IDS_OR_PATHS[tool]} {listed}, and a file must be "
-                        "named by its absolute path")
+        raise LoomError(
+            ErrorCode.NOT_FOUND, f"no {IDS_OR_PATHS[tool]} {listed}, and a file must be named by its absolute path"
+        )
     if not isinstance(campaign_id, str) or not campaign_id:
         listed = ", ".join(f"{n}={arguments[n]!r}"[:300] for n in relative)
-        raise LoomError(ErrorCode.BAD_INPUT,
-                        f"relative path ({listed}): give an absolute path, or pass campaign_id "
-                        "so that relative paths resolve against the campaign's repository")
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"relative path ({listed}): give an absolute path, or pass campaign_id "
+            "so that relative paths resolve against the campaign's repository",
+        )
     repo = campaign_repo(campaign_id)
     if repo is None:
         raise LoomError(ErrorCode.NOT_FOUND, f"no campaign {campaign_id!r}; start_campaign first")

@@ -48,10 +48,12 @@ class IdleWatch:
 
 def busy_finding(shape: str, cpu: float, wall: float) -> Finding:
     return Finding(
-        check="benchmark.busy_while_idle", severity="error",
+        check="benchmark.busy_while_idle",
+        severity="error",
         message=f"{shape}: the candidate's processes used {cpu:.2f} s of CPU while "
-                f"the baseline was timed ({wall:.2f} s of its passes): work aimed "
-                "at the other arm")
+        f"the baseline was timed ({wall:.2f} s of its passes): work aimed "
+        "at the other arm",
+    )
 
 
 def _cmdline(pid: int) -> bytes:

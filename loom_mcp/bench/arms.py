@@ -33,8 +33,13 @@ class ArmConnection:
         with anyio.fail_after(timeout_s):
             try:
                 line = await self.reader.receive_until(b"\n", max_bytes=1 << 20)
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                    anyio.ClosedResourceError, anyio.DelimiterNotFound) as exc:
+            except (
+                anyio.EndOfStream,
+                anyio.IncompleteRead,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                anyio.DelimiterNotFound,
+            ) as exc:
                 raise ArmError(self.role, f"its connection ended ({type(exc).__name__})") from exc
         try:
             reply = json.loads(line)

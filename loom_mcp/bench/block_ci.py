@@ -38,8 +38,9 @@ def block_log_ratios(baseline: ArrayLike, candidate: ArrayLike, blocks: ArrayLik
         raise ValueError("block ratios need paired arms and one block label per pair")
     if np.any(b <= 0) or np.any(c <= 0):
         raise ValueError("times must be positive")
-    return {int(k): float(np.log(np.median(b[labels == k])) - np.log(np.median(c[labels == k])))
-            for k in np.unique(labels)}
+    return {
+        int(k): float(np.log(np.median(b[labels == k])) - np.log(np.median(c[labels == k]))) for k in np.unique(labels)
+    }
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,8 +58,14 @@ def block_t_ci(log_ratios: ArrayLike, level: float = 0.95) -> RatioCI:
         raise ValueError("a CI across blocks needs at least 2 blocks")
     mean = float(np.mean(x))
     half = _t_quantile(level, int(x.size) - 1) * float(np.std(x, ddof=1)) / float(np.sqrt(x.size))
-    return RatioCI(estimate=float(np.exp(mean)), ci_low=float(np.exp(mean - half)),
-                   ci_high=float(np.exp(mean + half)), level=level, resamples=0, method="block_t")
+    return RatioCI(
+        estimate=float(np.exp(mean)),
+        ci_low=float(np.exp(mean - half)),
+        ci_high=float(np.exp(mean + half)),
+        level=level,
+        resamples=0,
+        method="block_t",
+    )
 
 
 @dataclass(frozen=True)
@@ -90,4 +97,3 @@ def block_cis(kept: Sequence[FilteredSamples], level: float) -> BlockCIs | None:
 def relative_half_width(ci: RatioCI) -> float:
     """Half the CI's width on the log scale, as a fraction of the estimate."""
     return float(np.expm1((np.log(ci.ci_high) - np.log(ci.ci_low)) / 2))
-

@@ -9,8 +9,7 @@ from typing import Any
 from loom_mcp.judge_models import Finding, ShapeSamples
 
 
-def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, Any]],
-                block: int) -> None:
+def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, Any]], block: int) -> None:
     """Adds one block's samples to the benchmark's, pooled per shape with every pair labelled
     by its block, so the statistics can take one ratio per block.
 
@@ -19,8 +18,9 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
     to nothing in the blocks whose round trip was quicker (26x). The median of the blocks' costs
     is what the evidence reports."""
     for name, record in timed.items():
-        into = samples.setdefault(name, {"a": [], "b": [], "throttled": [], "blocks": [],
-                                         "overheads": [], "stops": [], "seconds": 0.0})
+        into = samples.setdefault(
+            name, {"a": [], "b": [], "throttled": [], "blocks": [], "overheads": [], "stops": [], "seconds": 0.0}
+        )
         into["a"].extend(record["a"])
         into["b"].extend(record["b"])
         into["throttled"].extend(record["throttled"])
@@ -34,13 +34,21 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
 
 def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> list[ShapeSamples]:
     """The merged blocks' samples as the statistics take them (CPU wall clock)."""
-    return [ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
-                         candidate_s=samples[m["name"]]["b"],
-                         throttled=samples[m["name"]]["throttled"], blocks=samples[m["name"]]["blocks"],
-                         flops=m["flops"], bytes_moved=m["bytes_moved"],
-                         stop_reason=samples[m["name"]].get("stop"),
-                         sampling_s=samples[m["name"]].get("seconds"))
-            for m in shape_meta if m["name"] in samples]
+    return [
+        ShapeSamples(
+            name=m["name"],
+            baseline_s=samples[m["name"]]["a"],
+            candidate_s=samples[m["name"]]["b"],
+            throttled=samples[m["name"]]["throttled"],
+            blocks=samples[m["name"]]["blocks"],
+            flops=m["flops"],
+            bytes_moved=m["bytes_moved"],
+            stop_reason=samples[m["name"]].get("stop"),
+            sampling_s=samples[m["name"]].get("seconds"),
+        )
+        for m in shape_meta
+        if m["name"] in samples
+    ]
 
 
 def unique_findings(findings: list[Finding]) -> list[Finding]:

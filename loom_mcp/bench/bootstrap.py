@@ -54,9 +54,7 @@ def _chunked_medians(x: np.ndarray, resamples: int, rng: np.random.Generator) ->
     return _replicates(x.size, resamples, rng, lambda idx: np.median(x[idx], axis=1))
 
 
-def _paired_log_ratio_replicates(
-    b: np.ndarray, c: np.ndarray, resamples: int, rng: np.random.Generator
-) -> np.ndarray:
+def _paired_log_ratio_replicates(b: np.ndarray, c: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
     def log_ratio(idx: np.ndarray) -> np.ndarray:  # same pairs for both arms
         return np.log(np.median(b[idx], axis=1)) - np.log(np.median(c[idx], axis=1))
 
@@ -201,9 +199,7 @@ def joint_cis(
             log_reps.append(np.full(resamples, np.log(est)))
             methods.add("degenerate")
             continue
-        reps, method = log_ratio_replicates(
-            b, c, resamples=resamples, rng=_shape_rng(seed, i), paired=paired
-        )
+        reps, method = log_ratio_replicates(b, c, resamples=resamples, rng=_shape_rng(seed, i), paired=paired)
         per_shape.append(_ci_from_log_replicates(est, reps, level, method))
         log_reps.append(reps)
         methods.add(method)
@@ -213,10 +209,7 @@ def joint_cis(
         combined = _degenerate(combined_estimate, level)
     else:
         method = (  # typed by log_ratio_replicates above
-            "paired_bootstrap"
-            if methods <= {"paired_bootstrap", "degenerate"}
-            else "independent_bootstrap"
+            "paired_bootstrap" if methods <= {"paired_bootstrap", "degenerate"} else "independent_bootstrap"
         )
         combined = _ci_from_log_replicates(combined_estimate, joint, level, method)
     return estimates, per_shape, combined
-

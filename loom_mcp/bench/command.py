@@ -156,8 +156,10 @@ async def benchmark_commands(
         allow_network=allow_network,
         progress=progress,
         readable=[Path(p) for p in (policy.current().trusted_roots if readable is None else readable)],
-        writable={arm: [*([work_tree(where)] if where is not None else []), *map(Path, writable)]
-                  for arm, where in run_cwds.items()},
+        writable={
+            arm: [*([work_tree(where)] if where is not None else []), *map(Path, writable)]
+            for arm, where in run_cwds.items()
+        },
     )
     for _ in range(warmup):
         for arm in ("baseline", "candidate"):
@@ -171,9 +173,7 @@ async def benchmark_commands(
     pairs: list[dict[Arm, Run]] = []
     chosen: list[tuple[str, bool]] | None = specs
     for i in range(runs):
-        order: tuple[Arm, Arm] = (
-            ("baseline", "candidate") if i % 2 == 0 else ("candidate", "baseline")
-        )
+        order: tuple[Arm, Arm] = ("baseline", "candidate") if i % 2 == 0 else ("candidate", "baseline")
         pair: dict[Arm, Run] = {}
         for arm in order:
             record = await bench.run(arm, i + 1)
@@ -210,17 +210,13 @@ async def benchmark_commands(
         else f"baseline={kinds['baseline']} candidate={kinds['candidate']}"
     )
     samples_file = job_dir / "samples.json"
-    await anyio.to_thread.run_sync(
-        write_samples, samples_file, bench, chosen, pairs, parser_used, failures
-    )
+    await anyio.to_thread.run_sync(write_samples, samples_file, bench, chosen, pairs, parser_used, failures)
     findings = command_findings(comparisons, pairs, kinds)
     return CommandBenchmarkResult(
         metrics=comparisons,
         runs_per_arm=len(pairs),
         runs_requested=runs,
-        failed_runs=[
-            RunFailure(arm=f.arm, run=f.index, reason=(f.failure or "")[:240]) for f in failures
-        ],
+        failed_runs=[RunFailure(arm=f.arm, run=f.index, reason=(f.failure or "")[:240]) for f in failures],
         parser_used=parser_used,
         findings=findings,
         samples_file=str(samples_file),
@@ -249,4 +245,3 @@ def _pair_line(index: int, runs: int, pair: dict[Arm, Run], chosen: list[tuple[s
         shown.append(f"{name} {b:.4g} -> {c:.4g}")
     walls = f"{pair['baseline'].wall_s:.1f}/{pair['candidate'].wall_s:.1f} s"
     return f"pair {index}/{runs} done ({walls}): " + "; ".join(shown)
-

@@ -42,12 +42,8 @@ class CommandBenchmarkResult(_Model):
     metrics: list[MetricComparison]
     runs_per_arm: int = Field(description="Complete A/B pairs the statistics use")
     runs_requested: int
-    failed_runs: list[RunFailure] = Field(
-        description="Runs that failed after the first; their pairs were dropped"
-    )
-    parser_used: str = Field(
-        description="'json', 'vllm' or 'sglang'; 'baseline=vllm candidate=sglang' if they differ"
-    )
+    failed_runs: list[RunFailure] = Field(description="Runs that failed after the first; their pairs were dropped")
+    parser_used: str = Field(description="'json', 'vllm' or 'sglang'; 'baseline=vllm candidate=sglang' if they differ")
     findings: list[Finding] = Field(default_factory=list)
     samples_file: str = Field(description="Every run's parsed values, exit status and wall time")
     revisions: dict[Arm, str] | None = Field(

@@ -61,9 +61,7 @@ def _compact_ratio(r: RatioCI) -> RatioCI:
     return r.model_copy(update={k: _sig(getattr(r, k)) for k in ("estimate", "ci_low", "ci_high")})
 
 
-def compare(
-    name: str, higher: bool, pairs: list[dict[Arm, Run]], gate: GateConfig
-) -> MetricComparison:
+def compare(name: str, higher: bool, pairs: list[dict[Arm, Run]], gate: GateConfig) -> MetricComparison:
     """One metric over the kept pairs: each arm's summary and median CI, and the ratio."""
     b = [p["baseline"].values[name] for p in pairs]
     c = [p["candidate"].values[name] for p in pairs]
@@ -144,8 +142,6 @@ def next_step(comparisons: list[MetricComparison], pairs: int) -> str:
         parts.append(f"worse on {names(worse)}")
     if unclear:
         parts.append(
-            f"no clear difference on {names(unclear)} (CI spans 1; {pairs} pairs): add runs "
-            "if a small change matters"
+            f"no clear difference on {names(unclear)} (CI spans 1; {pairs} pairs): add runs if a small change matters"
         )
     return "; ".join(parts) + ". Ratios are improvement factors (> 1 = candidate better)."
-

@@ -114,8 +114,7 @@ def work_tree(cwd: Path) -> Path:
     home = Path.home().resolve()
     for top in (cwd, *cwd.parents):
         if (top / ".git").exists():
-            if top != home and top not in home.parents and any(
-                    top == root or root in top.parents for root in inside):
+            if top != home and top not in home.parents and any(top == root or root in top.parents for root in inside):
                 return top
             break
     return cwd
@@ -138,8 +137,7 @@ class Bench:
     readable: list[Path] = field(default_factory=list)
     writable: dict[Arm, list[Path]] = field(default_factory=dict)
     seq: int = field(default=0, init=False)
-    attempts: dict[Arm, int] = field(
-        init=False, default_factory=lambda: {"baseline": 0, "candidate": 0})
+    attempts: dict[Arm, int] = field(init=False, default_factory=lambda: {"baseline": 0, "candidate": 0})
     history: list[Run] = field(init=False, default_factory=list)
 
     async def say(self, message: str) -> None:
@@ -211,9 +209,7 @@ class Bench:
                 raise LoomError(ErrorCode.BAD_INPUT, f"{label}: {record.parsed.problem}")
         return record
 
-    async def _collect(
-        self, res: JobResult, run_dir: Path, cwd: Path | None
-    ) -> tuple[str | None, str]:
+    async def _collect(self, res: JobResult, run_dir: Path, cwd: Path | None) -> tuple[str | None, str]:
         """The text to parse and where it came from; moves a metrics_file out of `cwd`."""
         if self.metrics_file is None:
             return res.stdout_tail, "stdout"
@@ -236,9 +232,7 @@ class Bench:
     def check_values(self, record: Run, metrics: Iterable[str]) -> None:
         assert record.parsed is not None
         label = f"{record.arm} run {record.index}"
-        where = (
-            "stdout" if self.metrics_file is None else f"metrics_file {str(self.metrics_file)!r}"
-        )
+        where = "stdout" if self.metrics_file is None else f"metrics_file {str(self.metrics_file)!r}"
         for name in metrics:
             try:
                 record.values[name] = metric_value(record.parsed.values, name)

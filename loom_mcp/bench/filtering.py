@@ -102,6 +102,6 @@ def filter_pairs(
     keep = _unthrottled(b.size, throttled, "pair")
     throttled_dropped = 2 * int(b.size - keep.sum())
     outliers_dropped = 2 * _drop_outliers(keep, [b, c], iqr_k)
-    return FilteredSamples(b[keep], c[keep], throttled_dropped, outliers_dropped,
-                           None if labels is None else labels[keep])
-
+    return FilteredSamples(
+        b[keep], c[keep], throttled_dropped, outliers_dropped, None if labels is None else labels[keep]
+    )

@@ -112,17 +112,9 @@ def metric_direction(name: str) -> bool | None:
     if leaf in _LOWER:
         return False
     tokens = set(re.split(r"[^a-z0-9]+", leaf))
-    if (
-        any(word in leaf for word in _HIGHER_SUBSTRINGS)
-        or tokens & _HIGHER_TOKENS
-        or leaf.endswith(_HIGHER_SUFFIXES)
-    ):
+    if any(word in leaf for word in _HIGHER_SUBSTRINGS) or tokens & _HIGHER_TOKENS or leaf.endswith(_HIGHER_SUFFIXES):
         return True
-    if (
-        leaf.endswith(_LOWER_SUFFIXES)
-        or any(word in leaf for word in _LOWER_SUBSTRINGS)
-        or tokens & _LOWER_TOKENS
-    ):
+    if leaf.endswith(_LOWER_SUFFIXES) or any(word in leaf for word in _LOWER_SUBSTRINGS) or tokens & _LOWER_TOKENS:
         return False
     return None
 
@@ -353,10 +345,7 @@ def default_metrics(kind: Kind, first: dict[str, Any], second: dict[str, Any]) -
     """Headline metrics present, positive and of known direction in both arms' first runs."""
 
     def usable(name: str) -> bool:
-        return all(
-            _numeric(v.get(name)) and math.isfinite(v[name]) and v[name] > 0
-            for v in (first, second)
-        )
+        return all(_numeric(v.get(name)) and math.isfinite(v[name]) and v[name] > 0 for v in (first, second))
 
     names = [k for k in first if usable(k)]
     headline = _DEFAULTS.get(kind)

@@ -23,13 +23,20 @@ from loom_mcp.judge_models import Finding, GateConfig
 log = logging.getLogger("loom_mcp.bench")
 
 
-async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
-                    samples: dict[str, dict[str, Any]], gate: GateConfig, timeout_s: float,
-                    clock_sampler: Callable[[], dict[str, Any]] | None, findings: list[Finding],
-                    say: Callable[[str], Awaitable[None]], declared: set[str],
-                    candidate_pid: int | None, first_pair: int = 0,
-                    idle_totals: dict[str, list[float]] | None = None,
-                    ) -> tuple[bool, bool | None, str, bool]:
+async def run_pairs(
+    arms: dict[str, ArmConnection],
+    shape_meta: list[dict],
+    samples: dict[str, dict[str, Any]],
+    gate: GateConfig,
+    timeout_s: float,
+    clock_sampler: Callable[[], dict[str, Any]] | None,
+    findings: list[Finding],
+    say: Callable[[str], Awaitable[None]],
+    declared: set[str],
+    candidate_pid: int | None,
+    first_pair: int = 0,
+    idle_totals: dict[str, list[float]] | None = None,
+) -> tuple[bool, bool | None, str, bool]:
     """Times every shape; returns whether a graph was replayed, and the proof of execution's
     outcome (see prove_execution)."""
     graph_used = False
@@ -54,8 +61,7 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
             salt = secrets.randbelow(1 << 30)
             before = clock_sampler() if clock_sampler else None
             # ABBA, and a block that starts with the other arm: order effects cancel across blocks.
-            order = (["baseline", "candidate"] if (pair + first_pair) % 2 == 0
-                     else ["candidate", "baseline"])
+            order = ["baseline", "candidate"] if (pair + first_pair) % 2 == 0 else ["candidate", "baseline"]
             got: dict[str, Any] = {"arms": {}}
             for role in order:
                 # One arm's pass at a time, so the server can see what the idle candidate does
@@ -65,8 +71,9 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
                     assert idle is not None  # watching implies it
                     cpu_before = await anyio.to_thread.run_sync(idle.cpu_s)
                     wall_before = time.monotonic()
-                part = await arms["timer"].ask({"op": "batch", "order": [role], "salt": salt,
-                                                "probe": probe, "empties": EMPTY_CALLS}, timeout_s)
+                part = await arms["timer"].ask(
+                    {"op": "batch", "order": [role], "salt": salt, "probe": probe, "empties": EMPTY_CALLS}, timeout_s
+                )
                 if watching:
                     wall = time.monotonic() - wall_before
                     assert idle is not None  # watching implies it
@@ -87,8 +94,7 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
             # The timer's brackets hold its own cost (a context switch each way on a GPU, a
             # socket round trip on a CPU); the baseline's empty calls measure it.
             record["overhead"] = statistics.median(overhead) if overhead else 0.0
-            kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"],
-                                 lateness["candidate"])
+            kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"], lateness["candidate"])
             trusted_a = subtract_overhead([a for a, _ in kept], record["overhead"])
             trusted_b = subtract_overhead([b for _, b in kept], record["overhead"])
             if base.get("own_times") is not None and cand.get("own_times") is not None:
@@ -102,11 +108,15 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
             for role in ("baseline", "candidate"):
                 if got["arms"][role].get("tampered") and role not in tamper_reported:
                     tamper_reported.add(role)
-                    findings.append(Finding(
-                        check="benchmark.timer_tampering", severity="warning",
-                        message=f"the {role} replaced harness functions while timed "
-                                f"({', '.join(got['arms'][role]['tampered'])}); the timing is "
-                                "taken in another process, so it changed no number"))
+                    findings.append(
+                        Finding(
+                            check="benchmark.timer_tampering",
+                            severity="warning",
+                            message=f"the {role} replaced harness functions while timed "
+                            f"({', '.join(got['arms'][role]['tampered'])}); the timing is "
+                            "taken in another process, so it changed no number",
+                        )
+                    )
             agree = cand["samples"] is not None and base["samples"] is not None
             if agree:
                 for c_call, b_call in zip(cand["samples"], base["samples"], strict=True):
@@ -121,10 +131,14 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
             if not agree and not mismatch_reported:
                 mismatch_reported = True
                 why = cand.get("error") or base.get("error") or "values differ at sampled positions"
-                findings.append(Finding(
-                    check="benchmark.output_mismatch", severity="error",
-                    message=f"{name}: while being timed the candidate's output differs from the "
-                            f"baseline's ({why}; honest only when validated?)"))
+                findings.append(
+                    Finding(
+                        check="benchmark.output_mismatch",
+                        severity="error",
+                        message=f"{name}: while being timed the candidate's output differs from the "
+                        f"baseline's ({why}; honest only when validated?)",
+                    )
+                )
             pair += 1
             elapsed = time.monotonic() - started
             stop = paired_stop_reason(record["a"], record["b"], gate, elapsed)
@@ -142,13 +156,24 @@ async def run_pairs(arms: dict[str, ArmConnection], shape_meta: list[dict],
             findings.append(busy_finding(name, idle.cpu, idle.wall))
         if shape_disagrees(probes_off, probes) and not mismatch_reported:
             mismatch_reported = True
-            findings.append(Finding(
-                check="benchmark.output_mismatch", severity="error",
-                message=f"{name}: while being timed {probes_off} of {probes} sampled outputs "
-                        "differed from the baseline's (more than a tenth; honest only when "
-                        "validated?)"))
-        log.info("benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s, "
-                 "%d late calls", name, started - setup_started, pair, len(record["a"]), elapsed,
-                 stop, late)
+            findings.append(
+                Finding(
+                    check="benchmark.output_mismatch",
+                    severity="error",
+                    message=f"{name}: while being timed {probes_off} of {probes} sampled outputs "
+                    "differed from the baseline's (more than a tenth; honest only when "
+                    "validated?)",
+                )
+            )
+        log.info(
+            "benchmark %s: setup %.2f s, %d pairs (%d samples per arm) in %.2f s, stopped: %s, %d late calls",
+            name,
+            started - setup_started,
+            pair,
+            len(record["a"]),
+            elapsed,
+            stop,
+            late,
+        )
         await say(f"{name}: {pair} pairs done")
     return (graph_used, *await prove_execution(arms, declared, len(shape_meta) - 1, timeout_s))

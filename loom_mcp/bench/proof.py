@@ -19,8 +19,9 @@ def declared_kernels(source: str) -> set[str]:
     return names
 
 
-async def prove_execution(arms: dict[str, ArmConnection], declared: set[str], last_shape: int,
-                          timeout_s: float) -> tuple[bool | None, str, bool]:
+async def prove_execution(
+    arms: dict[str, ArmConnection], declared: set[str], last_shape: int, timeout_s: float
+) -> tuple[bool | None, str, bool]:
     """(proof, note, applicable): whether the profiler saw a kernel the candidate declares, why
     not where it could not tell, and whether there was anything to prove."""
     proof, note = None, "proof of execution needs a GPU profiler (CPU run)"
@@ -37,13 +38,19 @@ async def prove_execution(arms: dict[str, ArmConnection], declared: set[str], la
         except ArmError as exc:  # no profiler here (permissions, no CUPTI), or the process died
             note = f"no proof of execution: the proof process failed ({exc})"
         else:
-            log.info("benchmark: proof-of-execution trace %.2f s after the timing (profiler start "
-                     "%s, trace %s)", time.monotonic() - proof_started, started.get("seconds"),
-                     listing.get("seconds"))
+            log.info(
+                "benchmark: proof-of-execution trace %.2f s after the timing (profiler start %s, trace %s)",
+                time.monotonic() - proof_started,
+                started.get("seconds"),
+                listing.get("seconds"),
+            )
     if isinstance(listing.get("kernels"), list):
         seen = [str(k) for k in listing["kernels"]]
         hit = sorted(d for d in declared if any(d in k for k in seen))
         proof = bool(hit)
-        note = (f"seen in the profiler trace: {', '.join(hit)}" if hit else
-                f"none of {sorted(declared)} appeared among {len(seen)} kernels launched")
+        note = (
+            f"seen in the profiler trace: {', '.join(hit)}"
+            if hit
+            else f"none of {sorted(declared)} appeared among {len(seen)} kernels launched"
+        )
     return proof, note, True

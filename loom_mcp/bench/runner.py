@@ -48,9 +48,20 @@ from loom_mcp.worker.guard import findings as guard_findings
 
 # Imported from here by tests; they live in the modules named above.
 __all__ = [
-    "OWN_TIMING_ALLOWANCE", "ArmConnection", "ArmError", "benchmark_candidate", "block_shapes",
-    "farewell", "flag_disagreement", "merge_block", "pin_to_cpu", "samples_agree",
-    "shape_disagrees", "subtract_overhead", "trusted_pairs", "unique_findings",
+    "OWN_TIMING_ALLOWANCE",
+    "ArmConnection",
+    "ArmError",
+    "benchmark_candidate",
+    "block_shapes",
+    "farewell",
+    "flag_disagreement",
+    "merge_block",
+    "pin_to_cpu",
+    "samples_agree",
+    "shape_disagrees",
+    "subtract_overhead",
+    "trusted_pairs",
+    "unique_findings",
 ]
 
 log = logging.getLogger("loom_mcp.bench")
@@ -84,8 +95,13 @@ async def benchmark_candidate(
     device, env, visible = job_placement(device)
     # Trusted input preparation in a warm worker when one is idle: its start-up was seconds on the
     # critical path. No new one is started until the timing is over (it would compete for cores).
-    prep_template = JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
-                            job_dir=job_dir / "prep", env=env, visible_devices=visible, timeout_s=timeout_s)
+    prep_template = JobSpec(
+        argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
+        job_dir=job_dir / "prep",
+        env=env,
+        visible_devices=visible,
+        timeout_s=timeout_s,
+    )
     pool_dir = job_dir.parent / "warm"
     prep_worker = await warm.take(prep_template, pool_dir, refill=False)
     # Blank workers for the arms and the timer (see sandbox/warm.py), not on a CPU by default:
@@ -100,8 +116,11 @@ async def benchmark_candidate(
     sock_dir = Path(tempfile.mkdtemp(prefix="loom-", dir="/tmp" if Path("/tmp").is_dir() else None))
     # CUDA IPC names its state after the exporter's pid in /dev/shm: on a GPU the benchmark's
     # processes share one /dev/shm of their own (each job's is private otherwise).
-    shm_dir = (Path(tempfile.mkdtemp(prefix="loom-shm-", dir="/dev/shm" if Path("/dev/shm").is_dir()
-                                     else None)) if device != "cpu" else None)
+    shm_dir = (
+        Path(tempfile.mkdtemp(prefix="loom-shm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        if device != "cpu"
+        else None
+    )
     arms_spec = {
         "baseline": (baseline or task, "ModelNew" if baseline else "Model"),
         "candidate": (candidate, "ModelNew"),
@@ -120,20 +139,36 @@ async def benchmark_candidate(
     # (placement, layout, allocator state), so one pair of arms cannot show the run-to-run
     # spread: there each block is a fresh timer and pair of arms, and the CI is across blocks.
     wall_clock = device == "cpu"
-    block_gate = gate.model_copy(update={
-        "min_time_s": min(gate.min_time_s, gate.wall_clock_block_time_s),
-        "max_time_s": gate.wall_clock_block_time_s}) if wall_clock else gate
+    block_gate = (
+        gate.model_copy(
+            update={
+                "min_time_s": min(gate.min_time_s, gate.wall_clock_block_time_s),
+                "max_time_s": gate.wall_clock_block_time_s,
+            }
+        )
+        if wall_clock
+        else gate
+    )
     outcome: dict[str, Any] = {"proof": (False, None, None, True)}
     idle_totals: dict[str, list[float]] = {}  # wall clock: per shape, over all blocks
 
     async def prepare() -> None:
         # Runs while the arms start: their imports and device setup overlap it.
         prep_box["job"] = await warm.run_warm(
-            prep_worker, {"mode": "prepare_bench", "task": str(task), "shapes": shapes,
-                          "cases_file": str(cases_file), "max_sets": 2, "device": device,
-                          "task_globals": task_globals or {}},
-            secret_env={"LOOM_NONCE": str(secrets.randbits(62))}, timeout_s=timeout_s,
-            on_progress=progress)
+            prep_worker,
+            {
+                "mode": "prepare_bench",
+                "task": str(task),
+                "shapes": shapes,
+                "cases_file": str(cases_file),
+                "max_sets": 2,
+                "device": device,
+                "task_globals": task_globals or {},
+            },
+            secret_env={"LOOM_NONCE": str(secrets.randbits(62))},
+            timeout_s=timeout_s,
+            on_progress=progress,
+        )
         prepared.set()
 
     async def run_block(block: int) -> dict[str, dict[str, Any]]:
@@ -157,23 +192,36 @@ async def benchmark_candidate(
         failure: Exception | None = None
         try:
             async with await anyio.create_unix_listener(sock_path) as listener:
+
                 async def launch(role: str) -> None:
                     if role == "timer":  # trusted: never imports the code under test
                         timer_spec = JobSpec(
-                            argv=[sys.executable, "-m", "loom_mcp.worker.timer"], job_dir=where / role,
+                            argv=[sys.executable, "-m", "loom_mcp.worker.timer"],
+                            job_dir=where / role,
                             # TMPDIR: torch's shared-memory manager socket, which the arms connect to
-                            env={**env, "TMPDIR": str(sock_dir), **timer_role}, visible_devices=visible,
-                            timeout_s=timeout_s, writable=[sock_dir, exchange],
-                            readable=[prep_worker.job_dir], shm_dir=shm_dir,
-                            request={"socket": str(sock_path), "arms_socket": str(timer_sock),
-                                     "token": tokens["timer"],
-                                     "arm_tokens": {r: tokens[r] for r in ("baseline", "candidate")},
-                                     "cases_file": str(cases_file), "device": device,
-                                     "flush_bytes": flush_bytes, "rotate_bytes": flush_bytes,
-                                     "max_sets": 8, "exchange": str(exchange)})
+                            env={**env, "TMPDIR": str(sock_dir), **timer_role},
+                            visible_devices=visible,
+                            timeout_s=timeout_s,
+                            writable=[sock_dir, exchange],
+                            readable=[prep_worker.job_dir],
+                            shm_dir=shm_dir,
+                            request={
+                                "socket": str(sock_path),
+                                "arms_socket": str(timer_sock),
+                                "token": tokens["timer"],
+                                "arm_tokens": {r: tokens[r] for r in ("baseline", "candidate")},
+                                "cases_file": str(cases_file),
+                                "device": device,
+                                "flush_bytes": flush_bytes,
+                                "rotate_bytes": flush_bytes,
+                                "max_sets": 8,
+                                "exchange": str(exchange),
+                            },
+                        )
                         blanks["timer"] = (timer_spec, {**env, **timer_role}, 1)
-                        launched = await warm.start(timer_spec, pool_dir, base_env={**env, **timer_role},
-                                                    blank=use_blanks, refill=False)
+                        launched = await warm.start(
+                            timer_spec, pool_dir, base_env={**env, **timer_role}, blank=use_blanks, refill=False
+                        )
                         arm_results[role] = await supervise(launched)
                         if not startup["done"]:
                             startup["scope"].cancel()
@@ -182,7 +230,8 @@ async def benchmark_candidate(
                     cache = code_cache(job_dir, Path(module))
                     slots = [exchange / f"out-{role}"] if role != "proof" else []
                     arm_spec = JobSpec(
-                        argv=[sys.executable, "-m", "loom_mcp.worker.bench"], job_dir=where / role,
+                        argv=[sys.executable, "-m", "loom_mcp.worker.bench"],
+                        job_dir=where / role,
                         env={**arm_base_env, "LOOM_BENCH_ROLE": role, **code_cache_env(cache)},
                         writable=[cache, *slots],
                         visible_devices=visible,
@@ -190,25 +239,33 @@ async def benchmark_candidate(
                         readable=[Path(module).parent, prep_worker.job_dir, sock_dir, exchange / "in"],
                         shm_dir=shm_dir,
                         timeout_s=timeout_s,
-                        request={"role": role, "module": str(module), "class_name": class_name,
-                                 "cases_file": str(cases_file),
-                                 "socket": str(sock_path if role == "proof" else timer_sock),
-                                 "token": tokens[role], "device": device, "graph_below_s": GRAPH_BELOW_S,
-                                 "task_globals": task_globals or {}},
+                        request={
+                            "role": role,
+                            "module": str(module),
+                            "class_name": class_name,
+                            "cases_file": str(cases_file),
+                            "socket": str(sock_path if role == "proof" else timer_sock),
+                            "token": tokens[role],
+                            "device": device,
+                            "graph_below_s": GRAPH_BELOW_S,
+                            "task_globals": task_globals or {},
+                        },
                     )
                     # A blank worker where one is idle (torch imported, none of this job's paths
                     # in its root until now); refilled once the timing is over.
                     role_env = {**arm_base_env, "LOOM_BENCH_ROLE": role}  # one kind per role: its pid
                     blanks[role] = (arm_spec, role_env, 1)
-                    launched = await warm.start(arm_spec, pool_dir, base_env=role_env,
-                                                blank=use_blanks, refill=False)
+                    launched = await warm.start(arm_spec, pool_dir, base_env=role_env, blank=use_blanks, refill=False)
                     launchers[role] = launched.process.pid
                     arm_results[role] = await supervise(launched)
                     if not startup["done"]:  # it ended before the benchmark started: stop waiting
                         startup["scope"].cancel()
 
-                await say("preparing rotated input sets; starting both arms" if block == 0 else
-                          f"block {block + 1}: fresh timer and arms")
+                await say(
+                    "preparing rotated input sets; starting both arms"
+                    if block == 0
+                    else f"block {block + 1}: fresh timer and arms"
+                )
                 begun, began_epoch = time.monotonic(), time.time()
                 async with anyio.create_task_group() as tg:
                     if block == 0:
@@ -224,12 +281,20 @@ async def benchmark_candidate(
                                 conn = ArmConnection(stream, "?")
                                 try:  # whoever connects is not trusted until its token matches
                                     hello = json.loads(await conn.reader.receive_until(b"\n", 1 << 16))
-                                except (ValueError, anyio.EndOfStream, anyio.IncompleteRead,
-                                        anyio.BrokenResourceError, anyio.DelimiterNotFound):
+                                except (
+                                    ValueError,
+                                    anyio.EndOfStream,
+                                    anyio.IncompleteRead,
+                                    anyio.BrokenResourceError,
+                                    anyio.DelimiterNotFound,
+                                ):
                                     hello = None
                                 claimed = hello.get("role") if isinstance(hello, dict) else None
-                                if not isinstance(hello, dict) or claimed not in expected or not (
-                                        secrets.compare_digest(str(hello.get("hello")), tokens[claimed])):
+                                if (
+                                    not isinstance(hello, dict)
+                                    or claimed not in expected
+                                    or not (secrets.compare_digest(str(hello.get("hello")), tokens[claimed]))
+                                ):
                                     await stream.aclose()
                                     continue
                                 conn.role = hello["role"]
@@ -253,8 +318,9 @@ async def benchmark_candidate(
                         prep = prep_box["job"]
                         if not prep.ok or not prep.result or prep.result.get("error"):
                             detail = (prep.result or {}).get("error") or prep.stderr_tail[-1500:]
-                            raise LoomError(ErrorCode.BAD_INPUT,
-                                            f"the task could not prepare benchmark inputs: {detail}")
+                            raise LoomError(
+                                ErrorCode.BAD_INPUT, f"the task could not prepare benchmark inputs: {detail}"
+                            )
                         if block == 0:
                             shape_meta.extend(prep.result["shapes"])
                         samples.update({m["name"]: {"a": [], "b": [], "throttled": []} for m in shape_meta})
@@ -265,29 +331,53 @@ async def benchmark_candidate(
                         if wall_clock and hasattr(os, "sched_setaffinity"):
                             cpus = sorted(os.sched_getaffinity(0))
                             pinned = await anyio.to_thread.run_sync(
-                                pin_to_cpu, [launchers[r] for r in ("baseline", "candidate")
-                                             if r in launchers], cpus[block % len(cpus)])
-                            log.info("benchmark %s block %d: %d arm threads pinned to CPU %d",
-                                     benchmark_id, block, pinned, cpus[block % len(cpus)])
-                        log.info("benchmark %s block %d: arms ready %.2f s, inputs ready %.2f s (%s), loaded %.2f s",
-                                 benchmark_id, block, arms_ready, inputs_ready,
-                                 prep.timeline(began_epoch) if block == 0 else "prepared before",
-                                 time.monotonic() - begun)
+                                pin_to_cpu,
+                                [launchers[r] for r in ("baseline", "candidate") if r in launchers],
+                                cpus[block % len(cpus)],
+                            )
+                            log.info(
+                                "benchmark %s block %d: %d arm threads pinned to CPU %d",
+                                benchmark_id,
+                                block,
+                                pinned,
+                                cpus[block % len(cpus)],
+                            )
+                        log.info(
+                            "benchmark %s block %d: arms ready %.2f s, inputs ready %.2f s (%s), loaded %.2f s",
+                            benchmark_id,
+                            block,
+                            arms_ready,
+                            inputs_ready,
+                            prep.timeline(began_epoch) if block == 0 else "prepared before",
+                            time.monotonic() - begun,
+                        )
                         outcome["proof"] = await run_pairs(
-                            arms, shape_meta, samples, block_gate, timeout_s, clock_sampler, findings,
-                            say, declared, launchers.get("candidate"), first_pair=block,
-                            idle_totals=idle_totals if wall_clock else None)
+                            arms,
+                            shape_meta,
+                            samples,
+                            block_gate,
+                            timeout_s,
+                            clock_sampler,
+                            findings,
+                            say,
+                            declared,
+                            launchers.get("candidate"),
+                            first_pair=block,
+                            idle_totals=idle_totals if wall_clock else None,
+                        )
                     except ArmError as exc:
                         # The candidate's own processes failing is the candidate's failure (it
                         # spends a submission); the baseline's or the timer's is not.
-                        code = (ErrorCode.WORKER_CRASHED if exc.role in ("candidate", "proof")
-                                else ErrorCode.BAD_INPUT)
+                        code = ErrorCode.WORKER_CRASHED if exc.role in ("candidate", "proof") else ErrorCode.BAD_INPUT
                         failure = LoomError(code, f"the {exc.role} arm failed: {exc}")
                     except TimeoutError:
-                        ended = "; ".join(f"the {role} process {job.failure()}"
-                                          for role, job in arm_results.items() if not job.ok)
-                        failure = LoomError(ErrorCode.TIMEOUT, "a benchmark arm stopped answering"
-                                            + (f" ({ended[-1500:]})" if ended else ""))
+                        ended = "; ".join(
+                            f"the {role} process {job.failure()}" for role, job in arm_results.items() if not job.ok
+                        )
+                        failure = LoomError(
+                            ErrorCode.TIMEOUT,
+                            "a benchmark arm stopped answering" + (f" ({ended[-1500:]})" if ended else ""),
+                        )
                     except Exception as exc:  # LoomError, or a bug: either way re-raised below
                         failure = exc
                     finally:
@@ -334,38 +424,59 @@ async def benchmark_candidate(
         if prep_worker.alive() and "job" not in prep_box:
             prep_worker.discard()  # never given its job (an arm failed first)
     graph_used, proof, proof_note, proof_applicable = outcome["proof"]
-    findings.extend(busy_finding(name, cpu, wall) for name, (cpu, wall) in idle_totals.items()
-                    if IdleWatch.exceeds(cpu, wall))
+    findings.extend(
+        busy_finding(name, cpu, wall) for name, (cpu, wall) in idle_totals.items() if IdleWatch.exceeds(cpu, wall)
+    )
     if keep_warm and device != "cpu":  # on a CPU its start-up would compete with what is timed next
         warm.prewarm(prep_template, pool_dir, depth=warm.MAX_IDLE)  # on the loop's thread
     if use_blanks:
         for spec, base_env, depth in blanks.values():
             warm.refill_blanks(spec, pool_dir, base_env=base_env, depth=depth)
-    shape_samples = block_shapes(shape_meta, samples) if wall_clock else [
-        ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
-                     candidate_s=samples[m["name"]]["b"], throttled=samples[m["name"]]["throttled"],
-                     flops=m["flops"], bytes_moved=m["bytes_moved"],
-                     stop_reason=samples[m["name"]].get("stop"), sampling_s=samples[m["name"]].get("seconds"))
-        for m in shape_meta
-    ]
+    shape_samples = (
+        block_shapes(shape_meta, samples)
+        if wall_clock
+        else [
+            ShapeSamples(
+                name=m["name"],
+                baseline_s=samples[m["name"]]["a"],
+                candidate_s=samples[m["name"]]["b"],
+                throttled=samples[m["name"]]["throttled"],
+                flops=m["flops"],
+                bytes_moved=m["bytes_moved"],
+                stop_reason=samples[m["name"]].get("stop"),
+                sampling_s=samples[m["name"]].get("seconds"),
+            )
+            for m in shape_meta
+        ]
+    )
     trusted_geomean = trusted_geomean_of(shape_meta, samples, gate)
     peak_bw = peak.memory_bandwidth_bytes_s if peak else None
     peak_flops = None
     if peak:
         peak_flops = peak.flops.get("bf16") or peak.flops.get("fp16") or peak.flops.get("fp32")
     stats = analyze_shapes(shape_samples, gate, peak_bandwidth=peak_bw, peak_flops=peak_flops)
-    timer: TimerKind = "wall_clock" if device == "cpu" else (
-        "hip_events" if peak and peak.vendor == "amd" else "cuda_events")
+    timer: TimerKind = (
+        "wall_clock" if device == "cpu" else ("hip_events" if peak and peak.vendor == "amd" else "cuda_events")
+    )
     if trusted_geomean is not None and stats.geomean is not None:
         flag_disagreement(trusted_geomean, stats.geomean, findings)
     evidence = BenchmarkEvidence(
-        benchmark_id=benchmark_id, device=timer_device, timer=timer, shapes=stats.shapes,
-        geomean=stats.geomean, throttled_samples_dropped=stats.throttled_samples_dropped,
-        outliers_dropped=stats.outliers_dropped, l2_flushed=flush_bytes > 0,
+        benchmark_id=benchmark_id,
+        device=timer_device,
+        timer=timer,
+        shapes=stats.shapes,
+        geomean=stats.geomean,
+        throttled_samples_dropped=stats.throttled_samples_dropped,
+        outliers_dropped=stats.outliers_dropped,
+        l2_flushed=flush_bytes > 0,
         bracket_overhead_s={m["name"]: samples[m["name"]].get("overhead", 0.0) for m in shape_meta},
         trusted_geomean=trusted_geomean,
-        graph_replay=graph_used, proof_of_execution=proof, proof_note=proof_note,
-        proof_applicable=proof_applicable, findings=unique_findings(findings),
-        blocks=block_count if wall_clock else None, block_geomeans=stats.block_geomeans,
+        graph_replay=graph_used,
+        proof_of_execution=proof,
+        proof_note=proof_note,
+        proof_applicable=proof_applicable,
+        findings=unique_findings(findings),
+        blocks=block_count if wall_clock else None,
+        block_geomeans=stats.block_geomeans,
     )
     return evidence, evidence.findings

@@ -24,10 +24,24 @@ from loom_mcp.judge_models import GateConfig, RatioCI, ShapeSamples, ShapeTiming
 
 # What the rest of the tree imports from here, wherever it is defined.
 __all__ = [
-    "BenchmarkStats", "analyze_shapes", "block_log_ratios", "block_t_ci", "filter_pairs",
-    "filter_samples", "geomean", "geomean_ci", "iqr_keep_mask", "more_blocks_needed",
-    "paired_stop_reason", "physical_floor", "ratio_ci", "relative_half_width",
-    "relative_median_stderr", "roofline_fraction", "stop_reason", "summarize",
+    "BenchmarkStats",
+    "analyze_shapes",
+    "block_log_ratios",
+    "block_t_ci",
+    "filter_pairs",
+    "filter_samples",
+    "geomean",
+    "geomean_ci",
+    "iqr_keep_mask",
+    "more_blocks_needed",
+    "paired_stop_reason",
+    "physical_floor",
+    "ratio_ci",
+    "relative_half_width",
+    "relative_median_stderr",
+    "roofline_fraction",
+    "stop_reason",
+    "summarize",
 ]
 
 
@@ -104,8 +118,7 @@ def analyze_shapes(
         raise ValueError("no shapes to analyze")
     kept: list[FilteredSamples] = []
     for shape in shapes:
-        f = filter_pairs(shape.baseline_s, shape.candidate_s, shape.throttled, config.outlier_iqr_k,
-                         shape.blocks)
+        f = filter_pairs(shape.baseline_s, shape.candidate_s, shape.throttled, config.outlier_iqr_k, shape.blocks)
         if f.baseline.size == 0 or f.candidate.size == 0:
             raise ValueError(
                 f"shape {shape.name!r}: no samples left after dropping {f.throttled_dropped} "

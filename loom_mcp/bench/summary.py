@@ -115,4 +115,3 @@ def paired_stop_reason(
     if None in reasons:
         return None
     return "time_cap" if "time_cap" in reasons else "precise"
-

@@ -24,20 +24,24 @@ def subtract_overhead(times: list[float], overhead: float) -> list[float]:
 OWN_TIMING_ALLOWANCE = 0.10
 
 
-def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]],
-                       gate: GateConfig) -> RatioCI | None:
+def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]], gate: GateConfig) -> RatioCI | None:
     """The geomean speedup by the trusted timer's brackets alone, where the arms timed
     themselves as well (GPU); None where the brackets are the samples already (CPU)."""
-    trusted = [ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["trusted_a"],
-                            candidate_s=samples[m["name"]]["trusted_b"])
-               for m in shape_meta if samples[m["name"]].get("trusted_a")]
+    trusted = [
+        ShapeSamples(
+            name=m["name"], baseline_s=samples[m["name"]]["trusted_a"], candidate_s=samples[m["name"]]["trusted_b"]
+        )
+        for m in shape_meta
+        if samples[m["name"]].get("trusted_a")
+    ]
     if not trusted:
         return None
     return analyze_shapes(trusted, gate).geomean
 
 
-def trusted_pairs(baseline: list[float], candidate: list[float], baseline_late: list[bool],
-                  candidate_late: list[bool]) -> list[tuple[float, float]]:
+def trusted_pairs(
+    baseline: list[float], candidate: list[float], baseline_late: list[bool], candidate_late: list[bool]
+) -> list[tuple[float, float]]:
     """The bracket pairs the trusted side is computed from. A late bracket (the arm's work was
     done before the timer queued its end event, so it also timed launch latency) drops its
     pair. An arm late on purpose (replying only once its work is done) must not empty the
@@ -53,10 +57,14 @@ def flag_disagreement(trusted: RatioCI, own: RatioCI, findings: list[Finding]) -
     """An error finding (the gate rejects) when the arms' own clocks claim a speedup the trusted
     timer's brackets cannot support: a clock rewritten inside the candidate's process."""
     if own.estimate > trusted.ci_high * (1 + OWN_TIMING_ALLOWANCE):
-        findings.append(Finding(
-            check="benchmark.timing_disagreement", severity="error",
-            message=f"the arms' own clocks give {own.estimate:.3f}x but the trusted timer's "
-                    f"brackets of the same calls give {trusted.estimate:.3f}x "
-                    f"[{trusted.ci_low:.3f}, {trusted.ci_high:.3f}]: more than "
-                    f"{OWN_TIMING_ALLOWANCE:.0%} apart (a clock changed inside the candidate's "
-                    "process?)"))
+        findings.append(
+            Finding(
+                check="benchmark.timing_disagreement",
+                severity="error",
+                message=f"the arms' own clocks give {own.estimate:.3f}x but the trusted timer's "
+                f"brackets of the same calls give {trusted.estimate:.3f}x "
+                f"[{trusted.ci_low:.3f}, {trusted.ci_high:.3f}]: more than "
+                f"{OWN_TIMING_ALLOWANCE:.0%} apart (a clock changed inside the candidate's "
+                "process?)",
+            )
+        )

@@ -20,9 +20,7 @@ _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 # nvcc/clang diagnostics: "file.cu(12): error: msg" and "file.hip:12:5: error: msg".
 _NVCC_DIAG = re.compile(r"^(?P<file>[^\s()]+)\((?P<line>\d+)\): (?P<sev>error|warning|note)[^:]*: (?P<msg>.*)$")
-_CLANG_DIAG = re.compile(
-    r"^(?P<file>[^\s:]+):(?P<line>\d+):(?:\d+:)? (?P<sev>error|warning|note|remark): (?P<msg>.*)$"
-)
+_CLANG_DIAG = re.compile(r"^(?P<file>[^\s:]+):(?P<line>\d+):(?:\d+:)? (?P<sev>error|warning|note|remark): (?P<msg>.*)$")
 
 # AMD: "remark: k.hip:3:0: Function Name: _Z3addPfS_" then "... VGPRs: 12", "SGPRs: 18",
 # "ScratchSize [bytes/lane]: 0", "Occupancy [waves/SIMD]: 8", "LDS Size [bytes/block]: 0".
@@ -37,8 +35,9 @@ def demangle(names: list[str]) -> dict[str, str]:
     if not names or shutil.which("c++filt") is None:
         return {n: n for n in names}
     try:
-        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
-                             timeout=10).stdout.splitlines()
+        out = subprocess.run(
+            ["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return {n: n for n in names}
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
@@ -113,8 +112,9 @@ def parse_diagnostics(text: str, source: Path | None = None) -> list[CompileDiag
             file = str(source)
         # the patterns admit only error|warning|note here (remark skipped above)
         severity = cast(Literal["error", "warning", "note"], m.group("sev"))
-        found.append(CompileDiagnostic(severity=severity, message=m.group("msg").strip(),
-                                       file=file, line=int(m.group("line"))))
+        found.append(
+            CompileDiagnostic(severity=severity, message=m.group("msg").strip(), file=file, line=int(m.group("line")))
+        )
     return found
 
 

@@ -71,9 +71,11 @@ async def compile_source(
         tool = "nvcc" if language == "cuda" else "hipcc"
         status = next((t for t in toolchain.tools if t.name == tool and t.found and t.path), None)
         if status is None:
-            raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
-                            f"{tool} not found; install the {'CUDA' if tool == 'nvcc' else 'ROCm'} toolkit "
-                            "or compile on a machine that has it (after installing, device_info(refresh=true))")
+            raise LoomError(
+                ErrorCode.TOOLCHAIN_MISSING,
+                f"{tool} not found; install the {'CUDA' if tool == 'nvcc' else 'ROCm'} toolkit "
+                "or compile on a machine that has it (after installing, device_info(refresh=true))",
+            )
         compiler = f"{tool} {status.version or 'unknown'}"
         effective_target = target or ("sm_90" if language == "cuda" else "gfx942")
         extra = b""
@@ -87,12 +89,14 @@ async def compile_source(
 
     job_dir.mkdir(parents=True, exist_ok=True)
     if language == "triton":
-        result = await _compile_triton(source, task, device, job_dir, timeout_s, compiler,
-                                       effective_target, progress, task_globals)
+        result = await _compile_triton(
+            source, task, device, job_dir, timeout_s, compiler, effective_target, progress, task_globals
+        )
     else:
         assert status is not None  # found above for every language but triton
-        result = await _compile_native(source, language, status.path, effective_target, flags,
-                                       job_dir, timeout_s, compiler, artifacts, progress)
+        result = await _compile_native(
+            source, language, status.path, effective_target, flags, job_dir, timeout_s, compiler, artifacts, progress
+        )
     result.seconds = time.perf_counter() - started
     if result.ok or result.diagnostics:  # never cache a timeout or a crash
         cached_file.parent.mkdir(parents=True, exist_ok=True)
@@ -100,20 +104,31 @@ async def compile_source(
     return result
 
 
-async def _compile_native(source, language, tool_path, target, flags, job_dir, timeout_s, compiler,
-                          artifacts, progress) -> CompileResult:
+async def _compile_native(
+    source, language, tool_path, target, flags, job_dir, timeout_s, compiler, artifacts, progress
+) -> CompileResult:
     obj = job_dir / "kernel.o"
     if language == "cuda":
-        argv = [tool_path, "-c", f"-arch={target}", "-Xptxas", "-v", "-lineinfo", *flags,
-                str(source), "-o", str(obj)]
+        argv = [tool_path, "-c", f"-arch={target}", "-Xptxas", "-v", "-lineinfo", *flags, str(source), "-o", str(obj)]
     else:
-        argv = [tool_path, "-c", f"--offload-arch={target}", "-Rpass-analysis=kernel-resource-usage",
-                *flags, str(source), "-o", str(obj)]
+        argv = [
+            tool_path,
+            "-c",
+            f"--offload-arch={target}",
+            "-Rpass-analysis=kernel-resource-usage",
+            *flags,
+            str(source),
+            "-o",
+            str(obj),
+        ]
     # The agent's own source and headers (its allowed roots), nothing else of the host: an
     # #include of /etc/shadow or of the ledger would come back in the diagnostics.
-    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s,
-                                readable=[source.parent, *policy.current().trusted_roots]),
-                        on_progress=progress)
+    job = await run_job(
+        JobSpec(
+            argv=argv, job_dir=job_dir, timeout_s=timeout_s, readable=[source.parent, *policy.current().trusted_roots]
+        ),
+        on_progress=progress,
+    )
     text = job.stdout_tail + "\n" + job.stderr_tail
     if (over := limit_error(job, compiler)) is not None:
         raise over
@@ -123,8 +138,11 @@ async def _compile_native(source, language, tool_path, target, flags, job_dir, t
     # kernel.o is the job's: a link or FIFO there must not be read (and stored) by the server.
     ok = job.returncode == 0 and safefs.is_file(job_dir, obj.name)
     if not ok and not any(d.severity == "error" for d in diagnostics):
-        diagnostics.append(CompileDiagnostic(severity="error", message=text.strip()[-1500:] or
-                                             f"{compiler} exited with {job.returncode}"))
+        diagnostics.append(
+            CompileDiagnostic(
+                severity="error", message=text.strip()[-1500:] or f"{compiler} exited with {job.returncode}"
+            )
+        )
     kernels: list[KernelResources] = []
     if ok:
         kernels = parse_ptxas(text) if language == "cuda" else parse_amd_resource_usage(text)
@@ -134,57 +152,101 @@ async def _compile_native(source, language, tool_path, target, flags, job_dir, t
     if ok:
         data = safefs.read_bytes(job_dir, obj.name, MAX_OBJECT_BYTES)
         artifact_id = artifacts.put_bytes(data, kind=f"{language}-object", name=obj.name)
-    return CompileResult(ok=ok, language=language, target=target, artifact_id=artifact_id, cached=False,
-                         compiler=compiler, kernels=kernels, diagnostics=diagnostics, seconds=0.0,
-                         next_step=_next_step(ok, language))
+    return CompileResult(
+        ok=ok,
+        language=language,
+        target=target,
+        artifact_id=artifact_id,
+        cached=False,
+        compiler=compiler,
+        kernels=kernels,
+        diagnostics=diagnostics,
+        seconds=0.0,
+        next_step=_next_step(ok, language),
+    )
 
 
-async def _compile_triton(source, task, device, job_dir, timeout_s, compiler, target,
-                          progress, task_globals=None) -> CompileResult:
+async def _compile_triton(
+    source, task, device, job_dir, timeout_s, compiler, target, progress, task_globals=None
+) -> CompileResult:
     device, env, visible = job_placement(device)
     cache = code_cache(job_dir, Path(source))
-    job = await run_job(JobSpec(
-        argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"], job_dir=job_dir,
-        env={**env, **code_cache_env(cache)}, writable=[cache],
-        readable=[source.parent, *([task.parent] if task else [])],  # the file imports siblings
-        visible_devices=visible,
-        timeout_s=timeout_s, request={"source": str(source), "task": str(task) if task else None,
-                                      "device": device, "task_globals": task_globals or {}},
-    ), on_progress=progress)
+    job = await run_job(
+        JobSpec(
+            argv=[sys.executable, "-m", "loom_mcp.worker.triton_compile"],
+            job_dir=job_dir,
+            env={**env, **code_cache_env(cache)},
+            writable=[cache],
+            readable=[source.parent, *([task.parent] if task else [])],  # the file imports siblings
+            visible_devices=visible,
+            timeout_s=timeout_s,
+            request={
+                "source": str(source),
+                "task": str(task) if task else None,
+                "device": device,
+                "task_globals": task_globals or {},
+            },
+        ),
+        on_progress=progress,
+    )
     if (over := limit_error(job, f"compiling {source.name}")) is not None:
         raise over
     if job.timed_out:
         raise LoomError(ErrorCode.TIMEOUT, f"compiling {source.name} did not finish in {timeout_s:.0f} s")
     report = job.report  # the worker imports the candidate, which could send anything
     if report is None:
-        raise LoomError(ErrorCode.WORKER_CRASHED,
-                        f"the compile worker died ({job.signal or job.returncode}): {job.stderr_tail[-800:]}")
+        raise LoomError(
+            ErrorCode.WORKER_CRASHED,
+            f"the compile worker died ({job.signal or job.returncode}): {job.stderr_tail[-800:]}",
+        )
     if report.get("task_error"):
-        raise LoomError(ErrorCode.BAD_INPUT, f"the task failed before the candidate ran (building "
-                        f"inputs for its first shape): {report['task_error']}; fix the task")
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"the task failed before the candidate ran (building "
+            f"inputs for its first shape): {report['task_error']}; fix the task",
+        )
     diagnostics: list[CompileDiagnostic] = []
     if report["error"]:
-        diagnostics.append(CompileDiagnostic(severity="error", message=report["error"],
-                                             file=report["error_file"], line=report["error_line"]))
+        diagnostics.append(
+            CompileDiagnostic(
+                severity="error", message=report["error"], file=report["error_file"], line=report["error_line"]
+            )
+        )
     kernels: list[KernelResources] = []
     for k in report["kernels"]:
         if not k["compiled"]:
             kernels.append(KernelResources(name=k["name"]))
         for c in k["compiled"]:
-            item = KernelResources(name=k["name"], registers=c["registers"],
-                                   spill_stores_bytes=c["spills"], shared_memory_bytes=c["shared"],
-                                   num_warps=c["num_warps"], num_stages=c["num_stages"])
+            item = KernelResources(
+                name=k["name"],
+                registers=c["registers"],
+                spill_stores_bytes=c["spills"],
+                shared_memory_bytes=c["shared"],
+                num_warps=c["num_warps"],
+                num_stages=c["num_stages"],
+            )
             estimate_occupancy(item, target if str(target).startswith("sm_") else "sm_90", c["num_warps"])
             kernels.append(item)
     note = None
     if report["interpreted"]:
-        note = ("no GPU: kernels ran in Triton's interpreter (errors are real; no registers or "
-                "occupancy without machine code)")
+        note = (
+            "no GPU: kernels ran in Triton's interpreter (errors are real; no registers or "
+            "occupancy without machine code)"
+        )
     elif not report["ran_task"]:
         note = "pass task= so the kernels are specialized on real arguments and compiled"
     if not kernels and not report["error"]:
         note = (note + "; " if note else "") + "no @triton.jit kernels found in the file"
     ok = report["error"] is None
-    return CompileResult(ok=ok, language="triton", target=target, cached=False, compiler=compiler,
-                         kernels=kernels, diagnostics=diagnostics, seconds=0.0, note=note,
-                         next_step=_next_step(ok, "triton"))
+    return CompileResult(
+        ok=ok,
+        language="triton",
+        target=target,
+        cached=False,
+        compiler=compiler,
+        kernels=kernels,
+        diagnostics=diagnostics,
+        seconds=0.0,
+        note=note,
+        next_step=_next_step(ok, "triton"),
+    )

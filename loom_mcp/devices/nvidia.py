@@ -55,10 +55,14 @@ RETRY_AFTER_S = 30.0  # a failure is remembered this long, so a warm call never 
 def _reason(pynvml: ModuleType, err: Exception) -> str:
     value = getattr(err, "value", None)
     known = {
-        getattr(pynvml, "NVML_ERROR_LIBRARY_NOT_FOUND", -1): "NVML: libnvidia-ml not found (no NVIDIA driver installed)",
+        getattr(
+            pynvml, "NVML_ERROR_LIBRARY_NOT_FOUND", -1
+        ): "NVML: libnvidia-ml not found (no NVIDIA driver installed)",
         getattr(pynvml, "NVML_ERROR_DRIVER_NOT_LOADED", -1): "NVML: driver not loaded",
         getattr(pynvml, "NVML_ERROR_NO_PERMISSION", -1): "NVML: no permission to query the driver",
-        getattr(pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", -1): "NVML: driver/library version mismatch (reboot or reload the driver)",
+        getattr(
+            pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", -1
+        ): "NVML: driver/library version mismatch (reboot or reload the driver)",
     }
     return known.get(value, f"NVML: {err}")
 

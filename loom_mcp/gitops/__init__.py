@@ -28,8 +28,20 @@ from loom_mcp.gitops.worktrees import (
 )
 
 __all__ = [
-    "MAX_BINARY_BYTES", "BranchMoved", "FrozenChange", "campaign_tip", "change_digest",
-    "checkout_revision", "cleanup_stale_worktrees", "commit_accepted", "commit_trailers",
-    "format_patch", "freeze_change", "main_worktree", "prepare_worktree", "remove_worktree",
-    "repository_root", "uncommitted_paths",
+    "MAX_BINARY_BYTES",
+    "BranchMoved",
+    "FrozenChange",
+    "campaign_tip",
+    "change_digest",
+    "checkout_revision",
+    "cleanup_stale_worktrees",
+    "commit_accepted",
+    "commit_trailers",
+    "format_patch",
+    "freeze_change",
+    "main_worktree",
+    "prepare_worktree",
+    "remove_worktree",
+    "repository_root",
+    "uncommitted_paths",
 ]

@@ -103,9 +103,7 @@ def _repo_relative(info: _Repo, raw: str | os.PathLike[str]) -> str:
             try:
                 rel = Path(os.path.realpath(norm.parent)).relative_to(info.top) / norm.name
             except ValueError:
-                raise LoomError(
-                    ErrorCode.BAD_INPUT, f"path {text} is outside the repository {info.top}"
-                ) from None
+                raise LoomError(ErrorCode.BAD_INPUT, f"path {text} is outside the repository {info.top}") from None
         rel_text = rel.as_posix()
     else:
         rel_text = os.path.normpath(text).replace(os.sep, "/")
@@ -113,9 +111,7 @@ def _repo_relative(info: _Repo, raw: str | os.PathLike[str]) -> str:
     if not parts or rel_text in (".", "") or parts[0] == "..":
         raise LoomError(ErrorCode.BAD_INPUT, f"path {text!r} is outside the repository {info.top}")
     if any(part.lower() == ".git" for part in parts):
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"path {text!r} is inside .git; submit source files only"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, f"path {text!r} is inside .git; submit source files only")
     return "/".join(parts)
 
 
@@ -132,9 +128,7 @@ def _check_no_symlinked_parent(top: Path, rel: str, what: str) -> None:
             )
 
 
-def _read_entry(
-    info: _Repo, rel: str, filemode: bool, base_mode: str | None
-) -> _Frozen | None | str:
+def _read_entry(info: _Repo, rel: str, filemode: bool, base_mode: str | None) -> _Frozen | None | str:
     """The working-tree state of `rel`: _Frozen, None if absent, or a reason string to skip it."""
     _check_no_symlinked_parent(info.top, rel, "the repository")
     full = info.top / rel
@@ -150,8 +144,7 @@ def _read_entry(
         if resolved != info.top and info.top not in resolved.parents:
             raise LoomError(
                 ErrorCode.BAD_INPUT,
-                f"{rel!r} is a symlink to {target!r}, outside the repository; "
-                "pass explicit paths that leave it out",
+                f"{rel!r} is a symlink to {target!r}, outside the repository; pass explicit paths that leave it out",
             )
         return _Frozen(_MODE_LINK, os.fsencode(target))
     if stat.S_ISDIR(st.st_mode):
@@ -214,9 +207,7 @@ def _changed_paths(info: _Repo, base: str) -> list[str]:
     diff = _git(info.top, "diff-index", "-z", "--name-only", "--no-renames", base, "--")
     untracked = _git(info.top, "ls-files", "-z", "--others", "--exclude-standard")
     # A nested repository shows up as "dir/": it is not a file we can freeze.
-    candidates = {
-        p for p in _split_z(diff.stdout) + _split_z(untracked.stdout) if not p.endswith("/")
-    }
+    candidates = {p for p in _split_z(diff.stdout) + _split_z(untracked.stdout) if not p.endswith("/")}
     missing = sorted(p for p in candidates if not os.path.lexists(info.top / p))
     if missing:
         # Sparse checkout: a skip-worktree entry is absent on disk on purpose, not deleted.
@@ -276,8 +267,9 @@ def _entries_of(change: FrozenChange) -> dict[str, _Frozen | None]:
 def _refuse_nested_repositories(info: _Repo, base: str, rels: list[str]) -> None:
     """[BAD_INPUT] for a path inside a submodule or another repository nested in this one: its
     files belong to that repository, and a commit here could only record a pointer to it."""
-    ancestors = sorted({"/".join(PurePosixPath(rel).parts[:i]) for rel in rels
-                        for i in range(1, len(PurePosixPath(rel).parts))})
+    ancestors = sorted(
+        {"/".join(PurePosixPath(rel).parts[:i]) for rel in rels for i in range(1, len(PurePosixPath(rel).parts))}
+    )
     gitlinks = {a for a, (mode, _) in _ls_tree(info.top, base, ancestors).items() if mode == _MODE_GITLINK}
     nested = gitlinks | {a for a in ancestors if os.path.lexists(info.top / a / ".git")}
     for rel in rels:
@@ -302,11 +294,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
     info = _open_repo(repo)
     base = _resolve_commit(info.top, base_commit, "base commit")
     explicit = paths is not None
-    rels = (
-        sorted({_repo_relative(info, p) for p in paths})
-        if paths is not None
-        else _changed_paths(info, base)
-    )
+    rels = sorted({_repo_relative(info, p) for p in paths}) if paths is not None else _changed_paths(info, base)
     base_tree = _ls_tree(info.top, base, rels)
     if explicit:
         _refuse_nested_repositories(info, base, rels)
@@ -317,9 +305,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
         base_entry = base_tree.get(rel)
         if base_entry is not None and base_entry[0] in (_MODE_GITLINK, "040000"):
             if explicit:
-                raise LoomError(
-                    ErrorCode.BAD_INPUT, f"{rel!r} is a directory or submodule; list files instead"
-                )
+                raise LoomError(ErrorCode.BAD_INPUT, f"{rel!r} is a directory or submodule; list files instead")
             continue  # submodule pointer changes cannot be frozen as file content
         state = _read_entry(info, rel, filemode, base_entry[0] if base_entry else None)
         if isinstance(state, str):
@@ -367,9 +353,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
             # --path applies the clean filters (eol, ident, ...) `git add` would, so stat-only and
             # line-ending-only differences compare equal exactly as git itself would see them.
             how = ["--no-filters"] if state.mode == _MODE_LINK else [f"--path={rel}"]
-            res = _git(
-                info.top, "hash-object", "-w", "--stdin", *how, input=state.data, env=scratch
-            )
+            res = _git(info.top, "hash-object", "-w", "--stdin", *how, input=state.data, env=scratch)
             oid = _out(res)
             if base_entry is not None and base_entry == (state.mode, oid):
                 continue
@@ -387,11 +371,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
             if state is None:
                 continue
             total += len(state.data)
-            if (
-                state.mode != _MODE_LINK
-                and len(state.data) > MAX_BINARY_BYTES
-                and _is_binary(state.data)
-            ):
+            if state.mode != _MODE_LINK and len(state.data) > MAX_BINARY_BYTES and _is_binary(state.data):
                 raise LoomError(
                     ErrorCode.BAD_INPUT,
                     f"{rel!r} is a {len(state.data)} byte binary file, over the "
@@ -400,8 +380,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
         if total > MAX_CHANGE_BYTES:
             raise LoomError(
                 ErrorCode.BAD_INPUT,
-                f"the change is {total} bytes, over the {MAX_CHANGE_BYTES} byte limit; "
-                "pass explicit paths",
+                f"the change is {total} bytes, over the {MAX_CHANGE_BYTES} byte limit; pass explicit paths",
             )
 
         _git(info.top, "read-tree", base, env=scratch)
@@ -445,9 +424,7 @@ def freeze_change(repo: Path, base_commit: str, paths: list[str] | None) -> Froz
             try:
                 files[rel] = state.data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise LoomError(
-                    ErrorCode.BAD_INPUT, f"symlink {rel!r} has a non-UTF-8 target"
-                ) from exc
+                raise LoomError(ErrorCode.BAD_INPUT, f"symlink {rel!r} has a non-UTF-8 target") from exc
             symlinks.append(rel)
         elif _is_binary(state.data):
             files[rel] = base64.b64encode(state.data).decode("ascii")

@@ -109,15 +109,11 @@ def _git(
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        raise LoomError(
-            ErrorCode.TIMEOUT, f"git {args[0]} in {cwd} took more than {_GIT_TIMEOUT_S}s"
-        ) from exc
+        raise LoomError(ErrorCode.TIMEOUT, f"git {args[0]} in {cwd} took more than {_GIT_TIMEOUT_S}s") from exc
     except FileNotFoundError as exc:
         raise LoomError(ErrorCode.TOOLCHAIN_MISSING, "git is not installed or not on PATH") from exc
     if check and result.returncode != 0:
-        raise LoomError(
-            ErrorCode.INTERNAL, f"git {' '.join(args[:2])} failed in {cwd}: {_err(result)}"
-        )
+        raise LoomError(ErrorCode.INTERNAL, f"git {' '.join(args[:2])} failed in {cwd}: {_err(result)}")
     return result
 
 
@@ -164,14 +160,10 @@ def _open_repo(repo: Path | str) -> _Repo:
     )
     lines = res.stdout.decode("utf-8", "surrogateescape").splitlines()
     if res.returncode != 0 or len(lines) != 3:
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"{path} is not a git repository with a working tree: {_err(res)}"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, f"{path} is not a git repository with a working tree: {_err(res)}")
     top, git_dir, common = (Path(line) for line in lines)
     if os.path.realpath(top) != os.path.realpath(path):
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"{path} is inside the repository {top}; pass the repository root"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, f"{path} is inside the repository {top}; pass the repository root")
     return _Repo(
         top=Path(os.path.realpath(top)),
         git_dir=Path(os.path.realpath(git_dir)),
@@ -191,11 +183,7 @@ def _resolve_commit(cwd: Path, rev: str, what: str) -> str:
 def _branch_ref(cwd: Path, branch: str) -> str:
     name = branch.removeprefix("refs/heads/")
     ref = f"refs/heads/{name}"
-    if (
-        not name
-        or name.startswith("-")
-        or _git(cwd, "check-ref-format", ref, check=False).returncode
-    ):
+    if not name or name.startswith("-") or _git(cwd, "check-ref-format", ref, check=False).returncode:
         raise LoomError(ErrorCode.BAD_INPUT, f"{branch!r} is not a valid branch name")
     return ref
 

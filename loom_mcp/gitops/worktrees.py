@@ -79,9 +79,7 @@ def _check_root(info: _Repo, worktrees_root: Path) -> Path:
     # Inside the user's tree it would show up in their `git status`; containing the repo, cleanup
     # would treat the repo as a stray child.
     if _within(root, info.top) or _within(root, info.common_dir) or _within(info.top, root):
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"worktrees root {root} must be outside the repository {info.top}"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, f"worktrees root {root} must be outside the repository {info.top}")
     return root
 
 
@@ -115,15 +113,12 @@ def _apply_change(wt: Path, change: FrozenChange) -> list[str]:
         if parent.exists() and not parent.is_dir():
             raise LoomError(
                 ErrorCode.BAD_INPUT,
-                f"{rel!r} needs directory {parent.relative_to(wt).as_posix()!r}, "
-                "which is a file at the start commit",
+                f"{rel!r} needs directory {parent.relative_to(wt).as_posix()!r}, which is a file at the start commit",
             )
         parent.mkdir(parents=True, exist_ok=True)
         if os.path.lexists(target):
             if target.is_dir() and not target.is_symlink():
-                raise LoomError(
-                    ErrorCode.BAD_INPUT, f"{rel!r} is a directory at the start commit, not a file"
-                )
+                raise LoomError(ErrorCode.BAD_INPUT, f"{rel!r} is a directory at the start commit, not a file")
             # Unlink rather than overwrite: writing through a symlink would change its target.
             target.unlink()
         if entry.mode == _MODE_LINK:
@@ -169,14 +164,10 @@ def _load_meta(info: _Repo, worktree: Path) -> _SubmissionMeta:
     try:
         return _SubmissionMeta.model_validate_json(meta.read_bytes())
     except FileNotFoundError:
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"{worktree} was not prepared by prepare_worktree"
-        ) from None
+        raise LoomError(ErrorCode.BAD_INPUT, f"{worktree} was not prepared by prepare_worktree") from None
 
 
-def _add_detached(
-    info: _Repo, worktrees_root: Path, name: str, rev: str, labels: tuple[str, str]
-) -> tuple[Path, str]:
+def _add_detached(info: _Repo, worktrees_root: Path, name: str, rev: str, labels: tuple[str, str]) -> tuple[Path, str]:
     """`<worktrees_root>/<name>`, a new linked worktree of `info` detached at `rev`, and the
     commit `rev` resolved to. `labels` name `name` and `rev` in errors."""
     if not _SUBMISSION_ID.match(name):
@@ -191,8 +182,7 @@ def _add_detached(
     if os.path.lexists(wt):
         raise LoomError(
             ErrorCode.BAD_INPUT,
-            f"worktree {wt} already exists; names must be unique (stale ones are removed by "
-            "cleanup_stale_worktrees)",
+            f"worktree {wt} already exists; names must be unique (stale ones are removed by cleanup_stale_worktrees)",
         )
     _git(info.top, "worktree", "add", "--detach", "--quiet", str(wt), sha)
     return wt, sha
@@ -208,9 +198,7 @@ def prepare_worktree(
     behind or rewrites files. A change that leaves the start commit's tree unchanged is refused.
     """
     info = _open_repo(repo)
-    wt, start = _add_detached(
-        info, worktrees_root, submission_id, start_commit, ("submission id", "start commit")
-    )
+    wt, start = _add_detached(info, worktrees_root, submission_id, start_commit, ("submission id", "start commit"))
     try:
         to_stage = _apply_change(wt, change)
         if to_stage:
@@ -254,13 +242,9 @@ def _compose_message(message: str, trailers: Mapping[str, str]) -> bytes:
     for key, value in trailers.items():
         value = str(value).strip()
         if not _TRAILER_KEY.match(key):
-            raise LoomError(
-                ErrorCode.BAD_INPUT, f"trailer key {key!r} must be letters, digits and -"
-            )
+            raise LoomError(ErrorCode.BAD_INPUT, f"trailer key {key!r} must be letters, digits and -")
         if not value or "\n" in value or "\r" in value:
-            raise LoomError(
-                ErrorCode.BAD_INPUT, f"trailer {key!r} needs a one-line, non-empty value"
-            )
+            raise LoomError(ErrorCode.BAD_INPUT, f"trailer {key!r} needs a one-line, non-empty value")
         lines.append(f"{key}: {value}")
     text = body + "\n"
     if lines:
@@ -447,9 +431,7 @@ def repository_root(path: Path) -> Path:
         raise LoomError(ErrorCode.NOT_FOUND, f"{where} does not exist or is not a directory")
     res = _git(where, "rev-parse", "--path-format=absolute", "--show-toplevel", check=False)
     if res.returncode != 0 or not _out(res):
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"{where} is not inside a git repository with a working tree"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, f"{where} is not inside a git repository with a working tree")
     return Path(os.path.realpath(_out(res)))
 
 
@@ -467,8 +449,7 @@ def uncommitted_paths(path: Path, head: str | None = None) -> list[str]:
     tree = _ls_tree(info.top, "HEAD", candidates)
     # stat-only differences (a touched file) are not changes: hash what is there and compare
     regular = [
-        rel for rel in candidates
-        if rel in tree and (info.top / rel).is_file() and not (info.top / rel).is_symlink()
+        rel for rel in candidates if rel in tree and (info.top / rel).is_file() and not (info.top / rel).is_symlink()
     ]
     hashed: dict[str, str] = {}
     if regular:

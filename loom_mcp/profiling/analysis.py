@@ -17,7 +17,9 @@ from loom_mcp.traces.secrets import scrub_text
 # Everything in it (next_step quotes a finding) leaves through the secret scrubber. (A comment,
 # not a docstring: a docstring would become the published output schema's description.)
 class AnalyzeTraceResult(ScrubbedModel):
-    analysis_id: str = Field(description="Full tables, CSVs and the breakdown PNG: loom://traces/{analysis_id}/analysis")
+    analysis_id: str = Field(
+        description="Full tables, CSVs and the breakdown PNG: loom://traces/{analysis_id}/analysis"
+    )
     analysis: TraceAnalysis
     next_step: str
 
@@ -43,21 +45,20 @@ def resolve_trace(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, 
         raise
 
 
-def analyze(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, trace: str,
-            baseline: str | None, top_k: int) -> AnalyzeTraceResult:
+def analyze(
+    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, trace: str, baseline: str | None, top_k: int
+) -> AnalyzeTraceResult:
     from loom_mcp.traces.cache import analyze_trace_cached
 
     trace_path = resolve_trace(config, ledger, artifacts, trace)
     base_path = resolve_trace(config, ledger, artifacts, baseline) if baseline else None
-    analysis = analyze_trace_cached(trace_path, baseline=base_path, top_k=top_k,
-                                    cache_root=config.cache_dir / "traces")
+    analysis = analyze_trace_cached(trace_path, baseline=base_path, top_k=top_k, cache_root=config.cache_dir / "traces")
     analysis_id = Path(analysis.artifact_dir).name if analysis.artifact_dir else "unknown"
     analysis.artifact_dir = None  # a server path means nothing to the agent; the resource does
     if analysis.findings:
         top = analysis.findings[0]
         of = "of the span" if analysis.timeline.gpu_events else "of host op time (a CPU trace)"
-        next_step = (f"biggest opportunity: {top.kind} (up to {top.saving_pct:.0f}% {of}); "
-                     f"next: {top.next_tool}")
+        next_step = f"biggest opportunity: {top.kind} (up to {top.saving_pct:.0f}% {of}); next: {top.next_tool}"
     else:
         next_step = "no ranked opportunity found; profile a larger or more representative workload"
     return AnalyzeTraceResult(analysis_id=analysis_id, analysis=analysis, next_step=next_step)

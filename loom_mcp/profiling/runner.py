@@ -30,19 +30,34 @@ Profiler = Literal["torch", "rocprofv3", "nsys"]
 MAX_TRACE_FILE_BYTES = 4 << 30
 
 
-async def _torch_trace(job_dir: Path, *, task, candidate, shape, script, args, warmup, active,
-                       device, timeout_s, progress) -> str:
+async def _torch_trace(
+    job_dir: Path, *, task, candidate, shape, script, args, warmup, active, device, timeout_s, progress
+) -> str:
     """Run the workload under torch.profiler; the trace's name inside `job_dir`."""
     trace = job_dir / "trace.json"
     device, env, visible = job_placement(device)
-    job = await run_job(JobSpec(
-        argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"], job_dir=job_dir, env=env,
-        visible_devices=visible,
-        readable=[Path(p).parent for p in (task, candidate, script) if p],  # they import siblings
-        timeout_s=timeout_s,
-        request={"trace_file": str(trace), "task": task, "candidate": candidate, "shape": shape,
-                 "script": script, "args": args, "warmup": warmup, "active": active, "device": device},
-    ), on_progress=progress)
+    job = await run_job(
+        JobSpec(
+            argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"],
+            job_dir=job_dir,
+            env=env,
+            visible_devices=visible,
+            readable=[Path(p).parent for p in (task, candidate, script) if p],  # they import siblings
+            timeout_s=timeout_s,
+            request={
+                "trace_file": str(trace),
+                "task": task,
+                "candidate": candidate,
+                "shape": shape,
+                "script": script,
+                "args": args,
+                "warmup": warmup,
+                "active": active,
+                "device": device,
+            },
+        ),
+        on_progress=progress,
+    )
     report = job.report  # the workload is candidate code, which could send anything
     if report is None:
         raise LoomError(ErrorCode.WORKER_CRASHED, f"the profiled workload {job.failure()}")
@@ -56,24 +71,46 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
     """Run `command` under a vendor profiler; its output's name inside `job_dir`."""
     tool = shutil.which(profiler)
     if tool is None:
-        raise LoomError(ErrorCode.TOOLCHAIN_MISSING,
-                        f"{profiler} is not on PATH here; use profiler='torch' or install "
-                        f"{'ROCm (rocprofiler-sdk)' if profiler == 'rocprofv3' else 'Nsight Systems'}")
+        raise LoomError(
+            ErrorCode.TOOLCHAIN_MISSING,
+            f"{profiler} is not on PATH here; use profiler='torch' or install "
+            f"{'ROCm (rocprofiler-sdk)' if profiler == 'rocprofv3' else 'Nsight Systems'}",
+        )
     out = job_dir / "profile"
     if profiler == "rocprofv3":
-        argv = [tool, "--kernel-trace", "--memory-copy-trace", "--output-format", "json",
-                "-d", str(out), "-o", "trace", "--", *command]
+        argv = [
+            tool,
+            "--kernel-trace",
+            "--memory-copy-trace",
+            "--output-format",
+            "json",
+            "-d",
+            str(out),
+            "-o",
+            "trace",
+            "--",
+            *command,
+        ]
     else:
-        argv = [tool, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "--export=sqlite",
-                "-o", str(out / "trace"), *command]
+        argv = [
+            tool,
+            "profile",
+            "--trace=cuda,nvtx,osrt",
+            "--force-overwrite=true",
+            "--export=sqlite",
+            "-o",
+            str(out / "trace"),
+            *command,
+        ]
     out.mkdir(parents=True, exist_ok=True)
     # A vendor profiler around the agent's own command, sandboxed like benchmark_command: the
     # allowed roots and the profiler's install tree read-only, its config and temp files in the
     # job's private HOME and /tmp, LOOM_HOME and the real HOME out of sight.
     tool_root = Path(os.path.realpath(tool)).parent.parent
-    job = await run_job(JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s,
-                                readable=[*policy.current().trusted_roots, tool_root]),
-                        on_progress=progress)
+    job = await run_job(
+        JobSpec(argv=argv, job_dir=job_dir, timeout_s=timeout_s, readable=[*policy.current().trusted_roots, tool_root]),
+        on_progress=progress,
+    )
     if not job.ok:
         raise LoomError(ErrorCode.WORKER_CRASHED, f"{profiler} {job.failure()}")
     suffix = ".json" if profiler == "rocprofv3" else ".sqlite"
@@ -85,10 +122,24 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
 
 
 async def profile_workload(
-    *, ledger: Ledger, artifacts: ArtifactStore, jobs_dir: Path, cache_dir: Path,
-    profiler: Profiler, task: Path | None, candidate: Path | None, shape: str | None,
-    script: Path | None, args: list[str], command: list[str] | None, warmup: int, active: int,
-    device: str, timeout_s: float, campaign_id: str | None, progress: Progress | None,
+    *,
+    ledger: Ledger,
+    artifacts: ArtifactStore,
+    jobs_dir: Path,
+    cache_dir: Path,
+    profiler: Profiler,
+    task: Path | None,
+    candidate: Path | None,
+    shape: str | None,
+    script: Path | None,
+    args: list[str],
+    command: list[str] | None,
+    warmup: int,
+    active: int,
+    device: str,
+    timeout_s: float,
+    campaign_id: str | None,
+    progress: Progress | None,
 ) -> ProfileResult:
     started = time.monotonic()
     trace_id = new_run_id("trace")
@@ -97,11 +148,19 @@ async def profile_workload(
     if profiler == "torch":
         if task is None and script is None:
             raise LoomError(ErrorCode.BAD_INPUT, "profiler='torch' needs task= (optionally candidate=) or script=")
-        raw_name = await _torch_trace(job_dir, task=str(task) if task else None,
-                                      candidate=str(candidate) if candidate else None, shape=shape,
-                                      script=str(script) if script else None, args=args,
-                                      warmup=warmup, active=active, device=device,
-                                      timeout_s=timeout_s, progress=progress)
+        raw_name = await _torch_trace(
+            job_dir,
+            task=str(task) if task else None,
+            candidate=str(candidate) if candidate else None,
+            shape=shape,
+            script=str(script) if script else None,
+            args=args,
+            warmup=warmup,
+            active=active,
+            device=device,
+            timeout_s=timeout_s,
+            progress=progress,
+        )
     else:
         if not command:
             raise LoomError(ErrorCode.BAD_INPUT, f"profiler='{profiler}' needs command=[...] to run")
@@ -121,22 +180,29 @@ async def profile_workload(
         data = scrubbed.read_bytes()
         if suffix == ".json":
             data = gzip.compress(data, compresslevel=6)
-        sha = artifacts.put_bytes(data, kind=f"trace-{profiler}",
-                                  name=f"{trace_id}{suffix}{'.gz' if suffix == '.json' else ''}")
-        analysis = analyze_trace_cached(artifact_path_with_suffix(artifacts, sha, suffix), top_k=5,
-                                        cache_root=cache_dir / "traces")
+        sha = artifacts.put_bytes(
+            data, kind=f"trace-{profiler}", name=f"{trace_id}{suffix}{'.gz' if suffix == '.json' else ''}"
+        )
+        analysis = analyze_trace_cached(
+            artifact_path_with_suffix(artifacts, sha, suffix), top_k=5, cache_root=cache_dir / "traces"
+        )
         tl = analysis.timeline
         # Without GPU activity the analysis ranks host ops, as analyze_trace shows them.
         top_ops = [HeadlineOp(name=o.name[:120], us=o.us, pct=o.pct) for o in analysis.top_ops[:5]]
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     result = ProfileResult(
-        trace_id=trace_id, profiler=profiler, device=analysis.device, trace_bytes=len(data),
-        scrubbed=report.removed_blocks, gpu_busy_pct=tl.busy_pct if tl.gpu_events else None,
+        trace_id=trace_id,
+        profiler=profiler,
+        device=analysis.device,
+        trace_bytes=len(data),
+        scrubbed=report.removed_blocks,
+        gpu_busy_pct=tl.busy_pct if tl.gpu_events else None,
         total_us=tl.total_us if tl.gpu_events else None,
         top_ops=top_ops,
         seconds=round(time.monotonic() - started, 3),
-        next_step=f"analyze_trace(trace='{trace_id}') for the breakdown, roofline and ranked findings")
+        next_step=f"analyze_trace(trace='{trace_id}') for the breakdown, roofline and ranked findings",
+    )
     ledger.insert_run(trace_id, "trace", sha, result.model_dump(), campaign_id)
     return result
 

@@ -35,7 +35,8 @@ class Attempt(_M):
     task: str
     candidate: str
     config_fingerprint: str | None = Field(
-        default=None, description="The policy in force when this attempt was judged (null: not recorded)")
+        default=None, description="The policy in force when this attempt was judged (null: not recorded)"
+    )
     speedup: float | None = None
     ci_low: float | None = None
     ci_high: float | None = None
@@ -62,7 +63,9 @@ class CampaignReport(_M):
     accepted: list[Attempt]
     cumulative_speedup: float | None = Field(description="Product of accepted geomeans (each vs its own baseline)")
     attempts: list[Attempt]
-    outcome_rates: dict[str, float] = Field(description="Share of submissions: accept, reject_compile, reject_validation, reject_noise, reject_other, needs_review, interrupted/error")
+    outcome_rates: dict[str, float] = Field(
+        description="Share of submissions: accept, reject_compile, reject_validation, reject_noise, reject_other, needs_review, interrupted/error"
+    )
     tools: dict[str, ToolRates]
     budgets: dict[str, dict[str, float]]
     fingerprint: dict[str, Any]
@@ -90,11 +93,20 @@ def classify(row: dict) -> str:
 
 def _attempt(row: dict) -> Attempt:
     v = _verdict(row)
-    return Attempt(submission_id=row["id"], status=row["status"], task=row["task"],
-                   candidate=row["candidate"], config_fingerprint=row.get("config_fingerprint"),
-                   speedup=v.get("speedup"), ci_low=v.get("speedup_ci_low"), ci_high=v.get("speedup_ci_high"),
-                   reasons=v.get("reasons", [])[:6], validation_id=row["validation_id"],
-                   benchmark_id=row["benchmark_id"], commit=row["commit_sha"])
+    return Attempt(
+        submission_id=row["id"],
+        status=row["status"],
+        task=row["task"],
+        candidate=row["candidate"],
+        config_fingerprint=row.get("config_fingerprint"),
+        speedup=v.get("speedup"),
+        ci_low=v.get("speedup_ci_low"),
+        ci_high=v.get("speedup_ci_high"),
+        reasons=v.get("reasons", [])[:6],
+        validation_id=row["validation_id"],
+        benchmark_id=row["benchmark_id"],
+        commit=row["commit_sha"],
+    )
 
 
 def _record(ledger: Ledger, artifacts: ArtifactStore, run_id: str | None) -> dict | None:
@@ -134,8 +146,10 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     if drift:
         warnings.append(drift)
     if campaign["config_fingerprint"] != config.fingerprint():
-        warnings.append(f"the campaign was started under config fingerprint {campaign['config_fingerprint']}; "
-                        f"the server that wrote this report enforces {config.fingerprint()}")
+        warnings.append(
+            f"the campaign was started under config fingerprint {campaign['config_fingerprint']}; "
+            f"the server that wrote this report enforces {config.fingerprint()}"
+        )
     used = budget_usage(ledger, campaign)
     tip = gitops.campaign_tip(repo, campaign["branch"], campaign["base_commit"])
     last_bench = next((_record(ledger, artifacts, a.benchmark_id) for a in reversed(attempts) if a.benchmark_id), None)
@@ -146,17 +160,23 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         "python": sys.version.split()[0],
         "config_fingerprint": campaign["config_fingerprint"],
         "server_config_fingerprint": config.fingerprint(),
-        "device": {k: v for k, v in ((last_bench or {}).get("device") or {}).items()
-                   if k in ("vendor", "name", "arch", "driver_version", "runtime_version",
-                            "memory_total_bytes", "uuid") and v is not None} or None,
+        "device": {
+            k: v
+            for k, v in ((last_bench or {}).get("device") or {}).items()
+            if k in ("vendor", "name", "arch", "driver_version", "runtime_version", "memory_total_bytes", "uuid")
+            and v is not None
+        }
+        or None,
         "toolchain": _compact_toolchain((toolchain or {}).get("toolchain", toolchain)),
         "base_commit": campaign["base_commit"],
         "branch_tip": tip if tip != campaign["base_commit"] else None,
     }
     policies = list(dict.fromkeys(a.config_fingerprint for a in attempts if a.config_fingerprint))
     if len(policies) > 1:
-        warnings.append("the policy changed during the campaign: attempts were judged under "
-                        f"config fingerprints {', '.join(policies)} (see each attempt's)")
+        warnings.append(
+            "the policy changed during the campaign: attempts were judged under "
+            f"config fingerprints {', '.join(policies)} (see each attempt's)"
+        )
     if warnings:
         fingerprint["warnings"] = warnings
     from loom_mcp.campaigns import campaign_task_globals
@@ -165,11 +185,22 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
     for a in accepted:
         reproduce += reproduce_commands(config, repo, a, campaign_task_globals(campaign))
     return CampaignReport(
-        campaign_id=campaign_id, goal=campaign["goal"], repo=str(repo), base_commit=campaign["base_commit"],
-        branch=campaign["branch"], branch_tip=fingerprint["branch_tip"], accepted=accepted,
-        cumulative_speedup=cumulative, attempts=attempts, outcome_rates=rates, tools=tools,
+        campaign_id=campaign_id,
+        goal=campaign["goal"],
+        repo=str(repo),
+        base_commit=campaign["base_commit"],
+        branch=campaign["branch"],
+        branch_tip=fingerprint["branch_tip"],
+        accepted=accepted,
+        cumulative_speedup=cumulative,
+        attempts=attempts,
+        outcome_rates=rates,
+        tools=tools,
         budgets={"limit": budgets, "used": {k: round(v, 3) for k, v in used.items()}},
-        fingerprint=fingerprint, reproduce=reproduce, files={})
+        fingerprint=fingerprint,
+        reproduce=reproduce,
+        files={},
+    )
 
 
 def _compact_toolchain(toolchain: Any) -> Any:
@@ -198,8 +229,7 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def reproduce_commands(config: LoomConfig, repo: Path, attempt: Attempt,
-                       task_globals: dict[str, Any]) -> list[str]:
+def reproduce_commands(config: LoomConfig, repo: Path, attempt: Attempt, task_globals: dict[str, Any]) -> list[str]:
     """Shell lines that re-judge an accepted attempt from its commit, runnable as printed: the
     worktree (and the task's directory, when the task is outside the repository) are made
     allowed roots for that one command, since `loom-mcp check` refuses any other path, and
@@ -214,8 +244,7 @@ def reproduce_commands(config: LoomConfig, repo: Path, attempt: Attempt,
         task = attempt.task
         roots.append(str(Path(attempt.task).parent))
     candidate = f"{worktree}/{_repo_rel(repo, attempt.candidate)}"
-    sets = "".join(f" --set {shlex.quote(f'{k}={orjson.dumps(v).decode()}')}"
-                   for k, v in task_globals.items())
+    sets = "".join(f" --set {shlex.quote(f'{k}={orjson.dumps(v).decode()}')}" for k, v in task_globals.items())
     q = shlex.quote
     return [
         f"git -C {q(str(repo))} worktree add --detach {q(worktree)} {attempt.commit}",
@@ -265,8 +294,7 @@ def write_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
             label = f"task {_short_path(report.repo, a.task)}, {Path(a.candidate).name} ({a.submission_id})"
             shapes.append((label, rec["evidence"]["shapes"]))
     if shapes:
-        files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png",
-                                                f"Campaign {campaign_id}: {report.goal}"))
+        files["speedup_png"] = str(speedup_plot(shapes, out / "speedup.png", f"Campaign {campaign_id}: {report.goal}"))
         roofline = roofline_plot(shapes, out / "roofline.png")
         if roofline:
             files["roofline_png"] = str(roofline)
@@ -328,35 +356,58 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def render_markdown(r: CampaignReport) -> str:
-    lines = [f"# Campaign {r.campaign_id}", "", f"**Goal:** {r.goal}", "",
-             f"Repository `{r.repo}`, base `{r.base_commit[:12]}`, branch `{r.branch}`"
-             + (f" at `{r.branch_tip[:12]}`" if r.branch_tip else " (nothing accepted yet)"), ""]
+    lines = [
+        f"# Campaign {r.campaign_id}",
+        "",
+        f"**Goal:** {r.goal}",
+        "",
+        f"Repository `{r.repo}`, base `{r.base_commit[:12]}`, branch `{r.branch}`"
+        + (f" at `{r.branch_tip[:12]}`" if r.branch_tip else " (nothing accepted yet)"),
+        "",
+    ]
     lines += ["## Accepted chain", ""]
     if r.accepted:
         lines += ["| submission | task | candidate | speedup | 95% CI | commit |", "|---|---|---|---|---|---|"]
-        lines += [f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
-                  f"`{_cell(_short_path(r.repo, a.candidate))}` | {_fmt(a.speedup)}x | "
-                  f"[{_fmt(a.ci_low)}, {_fmt(a.ci_high)}] | `{(a.commit or '')[:12]}` |" for a in r.accepted]
+        lines += [
+            f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
+            f"`{_cell(_short_path(r.repo, a.candidate))}` | {_fmt(a.speedup)}x | "
+            f"[{_fmt(a.ci_low)}, {_fmt(a.ci_high)}] | `{(a.commit or '')[:12]}` |"
+            for a in r.accepted
+        ]
         lines += ["", f"Cumulative (product of accepted geomeans): **{_fmt(r.cumulative_speedup)}x**", ""]
     else:
         lines += ["None.", ""]
-    lines += ["## Every attempt", "",
-              "| submission | task | candidate | verdict | speedup | policy | reasons |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
-              f"`{_cell(_short_path(r.repo, a.candidate))}` | {a.status} | {_fmt(a.speedup)} | "
-              f"{f'`{a.config_fingerprint[:12]}`' if a.config_fingerprint else '—'} | "
-              f"{_cell(clip_words('; '.join(a.reasons), REASONS_CHARS)) or '—'} |"
-              for a in r.attempts]
+    lines += [
+        "## Every attempt",
+        "",
+        "| submission | task | candidate | verdict | speedup | policy | reasons |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {a.submission_id} | `{_cell(_short_path(r.repo, a.task))}` | "
+        f"`{_cell(_short_path(r.repo, a.candidate))}` | {a.status} | {_fmt(a.speedup)} | "
+        f"{f'`{a.config_fingerprint[:12]}`' if a.config_fingerprint else '—'} | "
+        f"{_cell(clip_words('; '.join(a.reasons), REASONS_CHARS)) or '—'} |"
+        for a in r.attempts
+    ]
     lines += ["", "## Outcomes and tools", ""]
     lines += [f"- {k}: {v:.0%}" for k, v in r.outcome_rates.items()] or ["- no submissions"]
     lines += ["", "| tool | calls | errors | by code |", "|---|---|---|---|"]
-    lines += [f"| {k} | {t.calls} | {t.errors} | {', '.join(f'{c}: {n}' for c, n in t.by_code.items()) or '—'} |"
-              for k, t in sorted(r.tools.items())]
+    lines += [
+        f"| {k} | {t.calls} | {t.errors} | {', '.join(f'{c}: {n}' for c, n in t.by_code.items()) or '—'} |"
+        for k, t in sorted(r.tools.items())
+    ]
     lim, used = r.budgets["limit"], r.budgets["used"]
     lines += ["", "## Budgets", "", "| budget | used | limit |", "|---|---|---|"]
     lines += [f"| {k} | {used[k]:.1f} | {lim[k]:.1f} |" for k in ("gpu_seconds", "candidates", "wall_seconds")]
-    lines += ["", "## Fingerprint", "", "```json", orjson.dumps(r.fingerprint, option=orjson.OPT_INDENT_2).decode(), "```"]
+    lines += [
+        "",
+        "## Fingerprint",
+        "",
+        "```json",
+        orjson.dumps(r.fingerprint, option=orjson.OPT_INDENT_2).decode(),
+        "```",
+    ]
     if r.reproduce:
         lines += ["", "## Reproduce", "", "```bash", *r.reproduce, "```"]
     if r.files:

@@ -8,8 +8,7 @@ from pathlib import Path
 def speedup_bars(shapes: list[dict]) -> list[tuple[str, float, float, float, float]]:
     """Per shape: (name, bar start, bar end, CI low, CI high). Bars start at the 1x baseline
     and end at the speedup estimate; the error bar spans the CI."""
-    return [(s["name"], 1.0, s["ratio"]["estimate"], s["ratio"]["ci_low"], s["ratio"]["ci_high"])
-            for s in shapes]
+    return [(s["name"], 1.0, s["ratio"]["estimate"], s["ratio"]["ci_low"], s["ratio"]["ci_high"]) for s in shapes]
 
 
 def speedup_plot(accepted: list[tuple[str, list[dict]]], path: Path, title: str) -> Path:
@@ -24,18 +23,28 @@ def speedup_plot(accepted: list[tuple[str, list[dict]]], path: Path, title: str)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(len(accepted), 1, figsize=(8, 2.4 + 0.35 * max(len(s) for _, s in accepted)
-                                                       * len(accepted)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(accepted), 1, figsize=(8, 2.4 + 0.35 * max(len(s) for _, s in accepted) * len(accepted)), squeeze=False
+    )
     for ax, (label, shapes) in zip(axes[:, 0], accepted):
         bars = speedup_bars(shapes)
         names = [b[0] for b in bars]
         est = [b[2] for b in bars]
         colors = ["#4c72b0" if e >= 1.0 else "#c44e52" for e in est]
-        ax.barh(names, [end - start for _, start, end, _, _ in bars],
-                left=[start for _, start, _, _, _ in bars], color=colors)
-        ax.errorbar(est, names, xerr=[[e - lo for _, _, e, lo, _ in bars],
-                                      [hi - e for _, _, e, _, hi in bars]],
-                    fmt="none", ecolor="black", capsize=3)
+        ax.barh(
+            names,
+            [end - start for _, start, end, _, _ in bars],
+            left=[start for _, start, _, _, _ in bars],
+            color=colors,
+        )
+        ax.errorbar(
+            est,
+            names,
+            xerr=[[e - lo for _, _, e, lo, _ in bars], [hi - e for _, _, e, _, hi in bars]],
+            fmt="none",
+            ecolor="black",
+            capsize=3,
+        )
         ax.set_xscale("log")
         extremes = [b[3] for b in bars] + [b[4] for b in bars]
         reach = max(abs(math.log(x)) for x in extremes if x > 0) if any(x > 0 for x in extremes) else 0.0
@@ -51,8 +60,7 @@ def speedup_plot(accepted: list[tuple[str, list[dict]]], path: Path, title: str)
         ax.invert_yaxis()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "; ".join(
-        label for label, _ in accepted)})
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": "; ".join(label for label, _ in accepted)})
     plt.close(fig)
     return path
 
@@ -60,8 +68,7 @@ def speedup_plot(accepted: list[tuple[str, list[dict]]], path: Path, title: str)
 def roofline_plot(accepted: list[tuple[str, list[dict]]], path: Path) -> Path | None:
     """Fraction of the physical floor (bytes/peak bandwidth or FLOPs/peak rate) reached per shape,
     baseline vs accepted candidate. None when no shape has a known floor."""
-    rows = [(f"accepted #{k + 1}", s) for k, (_, shapes) in enumerate(accepted)
-            for s in shapes if s.get("floor_s")]
+    rows = [(f"accepted #{k + 1}", s) for k, (_, shapes) in enumerate(accepted) for s in shapes if s.get("floor_s")]
     if not rows:
         return None
     import matplotlib

@@ -219,9 +219,7 @@ def is_allowed(name: str) -> bool:
     return name in ALLOWED_NAMES or name.startswith(ALLOWED_PREFIXES)
 
 
-def worker_env(
-    extra: Mapping[str, str] | None = None, parent: Mapping[str, str] | None = None
-) -> dict[str, str]:
+def worker_env(extra: Mapping[str, str] | None = None, parent: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a worker process.
 
     `parent` defaults to the server's environment; only allowlisted, non-secret names with
@@ -230,8 +228,7 @@ def worker_env(
     by accident, except SERVER_NAMES, which the server hands its workers deliberately.
     """
     source = os.environ if parent is None else parent
-    env = {k: v for k, v in source.items()
-           if is_allowed(k) and not is_secret(k) and not is_secret_value(v)}
+    env = {k: v for k, v in source.items() if is_allowed(k) and not is_secret(k) and not is_secret_value(v)}
     env.setdefault("PATH", _DEFAULT_PATH)
     env.update(FIXED)
     for key, value in (extra or {}).items():

@@ -43,14 +43,20 @@ def _view_probe_config(scratch: Path) -> dict[str, Any]:
             if not any(b == entry or entry in b.parents or b in entry.parents for b in bound):
                 home_entries.append(str(entry))
     return {
-        "view": {"ops": view_plan.job_view(job_dir=job, readable=[readable], writable=[],
-                                           tmp_bytes=1 << 20),
-                 "cwd": str(job)},
+        "view": {
+            "ops": view_plan.job_view(job_dir=job, readable=[readable], writable=[], tmp_bytes=1 << 20),
+            "cwd": str(job),
+        },
         "late": {"path": str(scratch / "late"), "src": str(readable)},
-        "checks": {"secret": str(secret / "file"), "socket": str(scratch / "sock"),
-                   "loom_home": [str(p) for p in hidden if p.exists()][:5],
-                   "home": home_entries[:8], "readable": str(readable / "file"),
-                   "job_dir": str(job), "passwd": os.path.exists("/etc/passwd")},
+        "checks": {
+            "secret": str(secret / "file"),
+            "socket": str(scratch / "sock"),
+            "loom_home": [str(p) for p in hidden if p.exists()][:5],
+            "home": home_entries[:8],
+            "readable": str(readable / "file"),
+            "job_dir": str(job),
+            "passwd": os.path.exists("/etc/passwd"),
+        },
     }
 
 
@@ -88,8 +94,7 @@ def capabilities() -> dict[str, Any]:
             shutil.rmtree(scratch, ignore_errors=True)
     parents = cgroup_parents()
     caps["cgroup"] = str(parents["pids"][1]) if "pids" in parents else None
-    caps["memory_cgroup"] = (f"{parents['memory'][0]} {parents['memory'][1]}"
-                             if "memory" in parents else None)
+    caps["memory_cgroup"] = f"{parents['memory'][0]} {parents['memory'][1]}" if "memory" in parents else None
     return caps
 
 
@@ -119,7 +124,8 @@ def plan(caps: dict[str, Any], allow_network: bool) -> dict[str, Any]:
         # The root view is built by init, so it needs the pid namespace (and its mount ns).
         # LOOM_SANDBOX_VIEW=readonly is the way back to the read-only host tree, for a machine
         # where a toolchain needs a path the allowlist does not bind.
-        "view": "pid" in features and _ok(caps, "view")
+        "view": "pid" in features
+        and _ok(caps, "view")
         and os.environ.get("LOOM_SANDBOX_VIEW", "allowlist") != "readonly",
         # Paths added to a running job's root (blank workers: sandbox/warm.py)
         "late": "pid" in features and _ok(caps, "view") and _ok(caps, "late"),
@@ -161,8 +167,7 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
         )
     elif "pid" in features:
         report["root_view"] = (
-            f"not available ({why('view')}): jobs see the host's tree, read-only outside their "
-            "own directories"
+            f"not available ({why('view')}): jobs see the host's tree, read-only outside their own directories"
         )
     else:
         report["root_view"] = "not available: no mount namespace for jobs here"
@@ -179,41 +184,52 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
         return yes if view and checks.get(key) else "not " + no
 
     report["etc_secrets"] = held(
-        "etc_secrets_hidden", "hidden: /etc/shadow, gshadow, sudoers and ssh are not in a job's root",
-        "hidden: jobs read the host's /etc (file permissions only)")
+        "etc_secrets_hidden",
+        "hidden: /etc/shadow, gshadow, sudoers and ssh are not in a job's root",
+        "hidden: jobs read the host's /etc (file permissions only)",
+    )
     report["host_sockets"] = held(
-        "host_socket_blocked", "out of reach: no host path is in a job's root, so no host AF_UNIX "
+        "host_socket_blocked",
+        "out of reach: no host path is in a job's root, so no host AF_UNIX "
         "socket (docker.sock, ssh-agent, X11) can be connected to",
-        "blocked: the network namespace does not cover path sockets and the host tree is visible")
+        "blocked: the network namespace does not cover path sockets and the host tree is visible",
+    )
     report["loom_home"] = held(
-        "loom_home_hidden", "hidden: a job sees only its own job and compile-cache directories "
+        "loom_home_hidden",
+        "hidden: a job sees only its own job and compile-cache directories "
         "(trusted workers: the job directories, read-only; never the ledger or loom.toml)",
-        "hidden: LOOM_HOME (ledger, config, other jobs) is readable by jobs")
+        "hidden: LOOM_HOME (ledger, config, other jobs) is readable by jobs",
+    )
     report["home"] = held(
-        "home_hidden", "private: HOME is the job's own directory and the real one is not in "
+        "home_hidden",
+        "private: HOME is the job's own directory and the real one is not in "
         "its root (trusted workers reading allowed roots that contain it: credentials masked)",
-        "hidden: HOME points at the job's own directory, but the real one stays readable")
+        "hidden: HOME points at the job's own directory, but the real one stays readable",
+    )
     memory = caps.get("memory_cgroup")
     if memory:
-        report["memory_limit"] = (f"enforced per job (job_memory_bytes): cgroup {memory.split()[0]} "
-                                  f"under {memory.split(' ', 1)[1]}; an OOM kill is reported as "
-                                  "memory_exceeded")
+        report["memory_limit"] = (
+            f"enforced per job (job_memory_bytes): cgroup {memory.split()[0]} "
+            f"under {memory.split(' ', 1)[1]}; an OOM kill is reported as "
+            "memory_exceeded"
+        )
     else:
         report["memory_limit"] = (
             "enforced per job (job_memory_bytes) by RLIMIT_DATA: no writable memory cgroup here; "
-            "CPU allocations past it fail (MemoryError) and are reported as memory_exceeded")
+            "CPU allocations past it fail (MemoryError) and are reported as memory_exceeded"
+        )
     report["disk_quota"] = (
         "enforced per job (job_disk_bytes): the supervisor sums what the job's directories grew "
         "by about once a second and kills it past the quota; its /tmp and /dev/shm are tmpfs of "
-        "that size; RLIMIT_FSIZE per file")
+        "that size; RLIMIT_FSIZE per file"
+    )
     if cut["limit_by"] == "nproc":
         report["process_limit"] = "enforced: RLIMIT_NPROC inside a user namespace"
     elif cut["limit_by"] == "cgroup":
         report["process_limit"] = f"enforced: pids cgroup under {caps['cgroup']}"
     elif caps["uid"] == 0:
         report["process_limit"] = (
-            "not enforced: running as root (the kernel ignores RLIMIT_NPROC for root) "
-            "and no writable pids cgroup"
+            "not enforced: running as root (the kernel ignores RLIMIT_NPROC for root) and no writable pids cgroup"
         )
     else:
         report["process_limit"] = "not enforced: no user namespace and no writable pids cgroup"
@@ -222,37 +238,50 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
             "available: on a GPU host candidates, benchmark arms and the timer start in workers "
             "started ahead (torch imported), whose init adds the job's own paths read-only or "
             "writable as a fresh root would have them; init is non-dumpable and keeps the host "
-            "tree out of the worker's mount namespace (probed: " +
-            _passed(caps["probes"]["late"].get("checks") or {}) + ")")
+            "tree out of the worker's mount namespace (probed: "
+            + _passed(caps["probes"]["late"].get("checks") or {})
+            + ")"
+        )
     else:
-        report["blank_workers"] = (f"not available ({why('late')}): every candidate, arm and "
-                                   "timer starts a fresh process")
+        report["blank_workers"] = (
+            f"not available ({why('late')}): every candidate, arm and timer starts a fresh process"
+        )
     report["kernel_knobs"] = held(
-        "proc_sys_readonly", "out of reach: /proc/sys, sysrq-trigger, irq, bus and fs are read-only "
+        "proc_sys_readonly",
+        "out of reach: /proc/sys, sysrq-trigger, irq, bus and fs are read-only "
         "in a job's /proc (kcore, keys, timer_list and a few more hidden), whatever uid it runs as",
-        "read-only: a job running as root could write the host's sysctls (core_pattern)")
+        "read-only: a job running as root could write the host's sysctls (core_pattern)",
+    )
     report["nested_namespaces"] = held(
-        "no_nested_user_namespace", "refused: a job's user namespace allows none below it, so it "
+        "no_nested_user_namespace",
+        "refused: a job's user namespace allows none below it, so it "
         "cannot gain capabilities there (to mount its own cgroup and lift its limits)",
-        "refused: a job can create user namespaces below its own")
-    report["host_ipc"] = ("own UTS and IPC namespaces (the host's SysV segments, message queues "
-                          "and hostname out of reach), a fresh session keyring")
-    report["capabilities"] = (
-        "dropped before exec: empty bounding, permitted, effective and ambient sets, no_new_privs")
+        "refused: a job can create user namespaces below its own",
+    )
+    report["host_ipc"] = (
+        "own UTS and IPC namespaces (the host's SysV segments, message queues "
+        "and hostname out of reach), a fresh session keyring"
+    )
+    report["capabilities"] = "dropped before exec: empty bounding, permitted, effective and ambient sets, no_new_privs"
     report["core_dumps"] = "off (RLIMIT_CORE=0)"
     report["file_size"] = "limited per job (RLIMIT_FSIZE)"
     report["environment"] = "allowlist; secret-looking names dropped"
     report["output"] = "bounded tail of stdout/stderr; results over a private pipe"
-    report["timing"] = ("taken by a trusted timer process that runs no candidate code (CPU: the "
-                        "handshake; GPU: the arms' own events, checked against its brackets)")
-    report["audit_hook"] = ("in every process that imports candidate code: frame walks, ctypes, "
-                            "/proc/self/mem, dynamic code, tracing and gc from candidate code "
-                            "are refused and reported (guard.* findings)")
+    report["timing"] = (
+        "taken by a trusted timer process that runs no candidate code (CPU: the "
+        "handshake; GPU: the arms' own events, checked against its brackets)"
+    )
+    report["audit_hook"] = (
+        "in every process that imports candidate code: frame walks, ctypes, "
+        "/proc/self/mem, dynamic code, tracing and gc from candidate code "
+        "are refused and reported (guard.* findings)"
+    )
     import shutil
 
     bwrap = shutil.which("bwrap")
     report["bwrap"] = (f"found at {bwrap}, not used: " if bwrap else "bwrap: not installed, ") + (
-        "the launcher builds the view in its own mount namespace")
+        "the launcher builds the view in its own mount namespace"
+    )
     return report
 
 

@@ -27,8 +27,11 @@ def code_cache_env(cache: Path) -> dict[str, str]:
     torch.utils.cpp_extension's builds (load_inline), whose default under HOME is read-only
     in the sandbox, and torch.compile's (inductor's default is under the job's private TMPDIR,
     so validation and each benchmark arm compiled the same graphs again)."""
-    return {"TRITON_CACHE_DIR": str(cache), "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
-            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    return {
+        "TRITON_CACHE_DIR": str(cache),
+        "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+    }
 
 
 # For the processes that run a candidate's (or a baseline's) ModelNew beside a timed arm:
@@ -56,21 +59,21 @@ class JobSpec(BaseModel):
     max_file_bytes: int = Field(default=8 << 30, gt=0, description="RLIMIT_FSIZE")
     max_processes: int = Field(default=512, ge=1, description="Tasks (processes and threads)")
     max_memory_bytes: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="Memory of the whole job (cgroup memory.max, else RLIMIT_DATA). None: the "
         "server's job_memory_bytes; 0: no limit",
     )
     max_disk_bytes: int | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="What job_dir and `writable` may grow by while the job runs (checked about "
         "once a second; the job is killed past it); also the size of its private /tmp and "
         "/dev/shm. None: the server's job_disk_bytes; 0: no quota",
     )
     visible_devices: list[int] | None = Field(
         default=None,
-        description=(
-            "Physical GPU indices to expose. None leaves the server's setting; [] hides all GPUs"
-        ),
+        description=("Physical GPU indices to expose. None leaves the server's setting; [] hides all GPUs"),
     )
     allow_network: bool = False
     readonly_fs: bool = Field(
@@ -157,14 +160,11 @@ class JobResult(BaseModel):
         "allocation refused under RLIMIT_DATA)",
     )
     disk_limit_bytes: int | None = None
-    disk_exceeded: bool = Field(
-        default=False, description="Killed because its directories grew past its disk quota"
-    )
+    disk_exceeded: bool = Field(default=False, description="Killed because its directories grew past its disk quota")
 
     @property
     def ok(self) -> bool:
-        return (self.returncode == 0 and not self.timed_out and not self.cancelled
-                and not self.disk_exceeded)
+        return self.returncode == 0 and not self.timed_out and not self.cancelled and not self.disk_exceeded
 
     @property
     def report(self) -> dict[str, Any] | None:

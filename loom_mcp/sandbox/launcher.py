@@ -47,6 +47,7 @@ else:  # run as a script with -I -S: its siblings (standard library only) from i
     import probe  # type: ignore[import-not-found,no-redef]
     import procs  # type: ignore[import-not-found,no-redef]
 
+
 def _read_line(fd: int, limit: int = 1 << 22) -> bytes:
     """One line from `fd` (b"" at EOF before any newline)."""
     data = bytearray()
@@ -177,8 +178,7 @@ def _setup_fs(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return applied, errors
 
 
-def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None,
-                   worker_fds: list[int]) -> NoReturn:
+def _run_with_init(cfg: dict[str, Any], argv: list[str], meta_fd: int | None, worker_fds: list[int]) -> NoReturn:
     status_r, status_w = os.pipe()
     # init arms PDEATHSIG after fork; if we died before that, this pipe reads EOF.
     alive_r, alive_w = os.pipe()
@@ -308,8 +308,7 @@ def _fresh_keyring() -> None:
     otherwise inherited, readable and writable by every job. Best effort: no keyctl, no keys."""
     number = SYS_KEYCTL.get(os.uname().machine)
     if number is not None:
-        mounts._libc().syscall(ctypes.c_long(number), ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING),
-                        ctypes.c_char_p(None))
+        mounts._libc().syscall(ctypes.c_long(number), ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_char_p(None))
 
 
 def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
@@ -327,8 +326,7 @@ def _launch(cfg: dict[str, Any], argv: list[str]) -> NoReturn:
     if fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    applied: dict[str, Any] = {"user": False, "net": False, "pid": False, "nproc": None,
-                               "memory": None}
+    applied: dict[str, Any] = {"user": False, "net": False, "pid": False, "nproc": None, "memory": None}
     errors: dict[str, str] = {}
     joined: dict[str, str] = {}
     for controller, path in (cfg.get("cgroups") or {}).items():

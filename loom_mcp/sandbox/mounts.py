@@ -59,9 +59,11 @@ CLONE_NEWIPC = 0x08000000
 # The pid namespace comes with a mount namespace (its /proc, the job's root), a UTS one (a job may
 # not rename the host) and an IPC one (SysV segments and message queues are otherwise shared
 # with the host and with every other job, and outlive the job).
-_NS_FLAGS = {"user": CLONE_NEWUSER, "net": CLONE_NEWNET,
-             "pid": CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC}
-
+_NS_FLAGS = {
+    "user": CLONE_NEWUSER,
+    "net": CLONE_NEWNET,
+    "pid": CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC,
+}
 
 
 # ----------------------------------------------------------------------------- libc helpers
@@ -99,8 +101,7 @@ def _prctl(option: int, arg: int) -> None:
     _check(_libc().prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
-def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,
-           data: bytes | None = None) -> None:
+def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
     _check(_libc().mount(source, target, fstype, flags, data), f"mount {target.decode()}")
 
 
@@ -112,8 +113,7 @@ def _pivot_root(new_root: str, put_old: str) -> None:
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown syscall number on {os.uname().machine}")
-    ret = _libc().syscall(ctypes.c_long(number), ctypes.c_char_p(new_root.encode()),
-                          ctypes.c_char_p(put_old.encode()))
+    ret = _libc().syscall(ctypes.c_long(number), ctypes.c_char_p(new_root.encode()), ctypes.c_char_p(put_old.encode()))
     _check(ret, f"pivot_root {new_root}")
 
 
@@ -121,9 +121,14 @@ def _mount_setattr(path: str, set_flags: int, clear_flags: int, recursive: bool 
     """mount_setattr(2) on `path` (and every mount below it when `recursive`)."""
     attr = (ctypes.c_uint64 * 4)(set_flags, clear_flags, 0, 0)  # struct mount_attr
     libc = _libc()
-    ret = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD),
-                       ctypes.c_char_p(path.encode()), ctypes.c_uint(AT_RECURSIVE if recursive else 0),
-                       ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    ret = libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(path.encode()),
+        ctypes.c_uint(AT_RECURSIVE if recursive else 0),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
     _check(ret, f"mount_setattr {path}")
 
 
@@ -150,8 +155,7 @@ def _readonly_fs(writable: list[str]) -> None:
 
 # statvfs f_flag bits -> mount flags: a remount in a user namespace must repeat the flags the
 # host locked on the mount (nosuid, nodev, ...), or the kernel refuses it.
-_ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048,
-             4096: 1 << 21}
+_ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}
 
 
 def _make_readonly(path: str, recursive: bool = True) -> None:
@@ -247,8 +251,7 @@ def _apply_op(op: dict[str, Any], later_readonly: list[str]) -> None:
         _harden_proc(dst, _OLD + "/dev/null")  # or no /proc at all
     elif kind == "devpts":
         os.makedirs(dst, exist_ok=True)
-        _mount(b"devpts", dst.encode(), b"devpts", MS_NOSUID | MS_NOEXEC,
-               b"newinstance,ptmxmode=0666,mode=0620")
+        _mount(b"devpts", dst.encode(), b"devpts", MS_NOSUID | MS_NOEXEC, b"newinstance,ptmxmode=0666,mode=0620")
     else:
         raise OSError(errno.EINVAL, f"unknown view entry {kind!r}")
 
@@ -477,8 +480,7 @@ def _mount_proc() -> None:
 # server's uid (root, when the server is) could set the host's core_pattern (a program run as
 # root on the next crash) or sysrq. Read-only in every job; a few that only leak, hidden.
 _PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
-_PROC_HIDDEN = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats",
-                "acpi", "scsi", "asound")
+_PROC_HIDDEN = ("kcore", "keys", "key-users", "timer_list", "sched_debug", "latency_stats", "acpi", "scsi", "asound")
 
 
 def _harden_proc(proc: str, devnull: str) -> None:

@@ -149,8 +149,7 @@ def _view_checks(checks: dict[str, Any]) -> dict[str, bool]:
         "proc": os.path.exists("/proc/self") and os.readlink("/proc/self") == "1",
         "proc_sys_readonly": not rewrites("/proc/sys/kernel/core_pattern"),
         "no_nested_user_namespace": not nests_user_namespace(),
-        "etc_secrets_hidden": all(hidden(p) for p in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers",
-                                                       "/etc/ssh")),
+        "etc_secrets_hidden": all(hidden(p) for p in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh")),
         "etc_passwd_kept": os.path.exists("/etc/passwd") or not checks.get("passwd"),
         "host_files_hidden": hidden(checks["secret"]),
         "host_socket_blocked": not connects(checks["socket"]),
@@ -197,8 +196,9 @@ def _probe_view(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"checks": _view_checks(cfg["checks"])}
         # The two kernel-knob checks are reported, not required: a root of its own is still far
         # better than the host's tree where they fail.
-        out["ok"] = all(v for k, v in out["checks"].items()
-                        if k not in ("proc_sys_readonly", "no_nested_user_namespace"))
+        out["ok"] = all(
+            v for k, v in out["checks"].items() if k not in ("proc_sys_readonly", "no_nested_user_namespace")
+        )
         if problems:
             out["problems"] = problems
         if not out["ok"]:
@@ -226,16 +226,19 @@ def _probe_late(features: list[str], cfg: dict[str, Any]) -> dict[str, Any]:
             os.close(entered_w)
             os.read(added_r, 1)
             target = cfg["late"]["path"] + "/file"
-            checks = {"added": os.path.isfile(target) and open(target).read() == "ok",
-                      "added_is_readonly": not writes(target),
-                      "host_tree_gone": not any(os.path.lexists(p) for p in (mounts._OLD, mounts._STAGE))}
+            checks = {
+                "added": os.path.isfile(target) and open(target).read() == "ok",
+                "added_is_readonly": not writes(target),
+                "host_tree_gone": not any(os.path.lexists(p) for p in (mounts._OLD, mounts._STAGE)),
+            }
             os.write(report_w, json.dumps({"ok": all(checks.values()), "checks": checks}).encode())
             os._exit(0)
         for fd in (entered_w, added_r, report_w):
             os.close(fd)
         os.read(entered_r, 1)
-        mounts._apply_late([{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"],
-                             "mode": "ro", "optional": False}])
+        mounts._apply_late(
+            [{"op": "bind", "path": cfg["late"]["path"], "src": cfg["late"]["src"], "mode": "ro", "optional": False}]
+        )
         os.close(added_w)
         os.waitpid(worker, 0)
         return _probe_outcome(report_r, None)

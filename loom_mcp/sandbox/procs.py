@@ -75,7 +75,9 @@ def descendants(root: int) -> dict[int, str]:
 
 
 def kill_tree(
-    root: int, cgroup: str | list[str] | None = None, deadline_s: float = 5.0,
+    root: int,
+    cgroup: str | list[str] | None = None,
+    deadline_s: float = 5.0,
     include_root: bool = True,
 ) -> None:
     """SIGKILL every descendant of `root`, then `root`. Blocking; call it from a thread.
@@ -120,8 +122,12 @@ def _reap_nohang() -> None:
 # ----------------------------------------------------------------------------- job cgroups
 
 # Per controller and cgroup version: the file that holds the job's limit.
-_LIMIT_FILES = {("pids", "v1"): "pids.max", ("pids", "v2"): "pids.max",
-                ("memory", "v1"): "memory.limit_in_bytes", ("memory", "v2"): "memory.max"}
+_LIMIT_FILES = {
+    ("pids", "v1"): "pids.max",
+    ("pids", "v2"): "pids.max",
+    ("memory", "v1"): "memory.limit_in_bytes",
+    ("memory", "v2"): "memory.max",
+}
 
 
 def _cgroup_dirs() -> list[tuple[str, set[str], Path]]:

@@ -43,6 +43,7 @@ HEARTBEAT = re.compile(r"running \d+(\.\d+)? s$")
 def heartbeat(elapsed_s: float) -> str:
     return f"running {elapsed_s:.1f} s"
 
+
 # After the worker's tree is gone its pipes reach EOF at once; this only bounds the odd case
 # of a descendant that escaped the tree and kept a pipe open.
 _DRAIN_S = 2.0
@@ -68,9 +69,7 @@ class _Tail:
             del self._buf[: len(self._buf) - self.limit]
 
     def text(self) -> str:
-        return bytes(self._buf[-self.limit :] if self.limit > 0 else b"").decode(
-            "utf-8", errors="replace"
-        )
+        return bytes(self._buf[-self.limit :] if self.limit > 0 else b"").decode("utf-8", errors="replace")
 
 
 class _Collect:
@@ -107,8 +106,7 @@ def _device_env(devices: list[int]) -> dict[str, str]:
     }
 
 
-def _prepare(spec: JobSpec, plan: dict[str, Any], memory_bytes: int
-             ) -> tuple[Path, Path, dict[str, str]]:
+def _prepare(spec: JobSpec, plan: dict[str, Any], memory_bytes: int) -> tuple[Path, Path, dict[str, str]]:
     """Blocking setup: job dir (and the job's private HOME in it), request file (if the spec has
     a request yet), job cgroups (pids and memory, where the plan uses them)."""
     job_dir = spec.job_dir.expanduser().resolve()
@@ -158,8 +156,13 @@ def _parse_meta(raw: bytes) -> dict[str, Any]:
             for key, value in (record.get("errors") or {}).items():
                 # The root view failing where the probe built one is worth a line in the log:
                 # the job ran with the read-only host tree instead.
-                level = logging.WARNING if key == "view" and record.get("stage") == "init" and \
-                    (record.get("applied") or {}).get("view") != "allowlist" else logging.DEBUG
+                level = (
+                    logging.WARNING
+                    if key == "view"
+                    and record.get("stage") == "init"
+                    and (record.get("applied") or {}).get("view") != "allowlist"
+                    else logging.DEBUG
+                )
                 log.log(level, "sandbox: %s not applied: %s", key, value)
     return applied
 
@@ -254,8 +257,13 @@ def job_root(spec: JobSpec, job_dir: Path, writable: list[Path]) -> list[dict[st
     roots never differ in more than the job's paths."""
     limits = policy.current()
     disk = limits.disk_bytes if spec.max_disk_bytes is None else spec.max_disk_bytes
-    return view.job_view(job_dir=job_dir, readable=spec.readable, writable=writable,
-                         shm_dir=spec.shm_dir, tmp_bytes=disk or policy.DEFAULT_DISK_BYTES)
+    return view.job_view(
+        job_dir=job_dir,
+        readable=spec.readable,
+        writable=writable,
+        shm_dir=spec.shm_dir,
+        tmp_bytes=disk or policy.DEFAULT_DISK_BYTES,
+    )
 
 
 def late_binds_possible(spec: JobSpec) -> bool:
@@ -383,11 +391,21 @@ def spawn(spec: JobSpec, *, stdin_pipe: bool = False, late: bool = False) -> Lau
     assert process.stdout is not None and process.stderr is not None  # both PIPE above
     for fd in (result_r, meta_r, process.stdout.fileno(), process.stderr.fileno()):
         os.set_blocking(fd, False)
-    return Launched(spec=spec, process=process, job_dir=job_dir, cgroups=cgroups, result_r=result_r,
-                    meta_r=meta_r, request_path=request_path, memory_bytes=memory,
-                    disk_bytes=disk, watched=(job_dir, *extra),
-                    view_ops=root_view["ops"] if ack_r is not None and root_view else None,
-                    ack_r=ack_r, born=time.monotonic())
+    return Launched(
+        spec=spec,
+        process=process,
+        job_dir=job_dir,
+        cgroups=cgroups,
+        result_r=result_r,
+        meta_r=meta_r,
+        request_path=request_path,
+        memory_bytes=memory,
+        disk_bytes=disk,
+        watched=(job_dir, *extra),
+        view_ops=root_view["ops"] if ack_r is not None and root_view else None,
+        ack_r=ack_r,
+        born=time.monotonic(),
+    )
 
 
 async def _wait_exit(process: subprocess.Popen) -> None:
@@ -409,8 +427,7 @@ async def _wait_exit(process: subprocess.Popen) -> None:
 async def _end_tree(launched: Launched) -> None:
     """SIGKILL the launcher's whole tree and reap the launcher."""
     if launched.process.poll() is None:
-        await anyio.to_thread.run_sync(procs.kill_tree, launched.process.pid,
-                                       list(launched.cgroups.values()))
+        await anyio.to_thread.run_sync(procs.kill_tree, launched.process.pid, list(launched.cgroups.values()))
     with anyio.move_on_after(_KILL_WAIT_S):
         await _wait_exit(launched.process)
 
@@ -478,7 +495,8 @@ async def _watch_disk(launched: Launched, exceeded: anyio.Event) -> None:
 # of memory" alone: that is also how a full GPU reports, which is no limit of ours.
 _ALLOC_REFUSED = re.compile(
     r"\bMemoryError\b|std::bad_alloc|Cannot allocate memory|can't allocate memory|"
-    r"DefaultCPUAllocator|\bENOMEM\b")
+    r"DefaultCPUAllocator|\bENOMEM\b"
+)
 
 
 async def supervise(launched: Launched, on_progress: Progress | None = None) -> JobResult:
@@ -550,7 +568,8 @@ async def supervise(launched: Launched, on_progress: Progress | None = None) -> 
     memory_by = applied.get("memory")
     failed = rc != 0 or timed_out
     memory_exceeded = oom_kills > 0 or (
-        memory_by == "rlimit" and failed and bool(_ALLOC_REFUSED.search(err.text()[-8192:])))
+        memory_by == "rlimit" and failed and bool(_ALLOC_REFUSED.search(err.text()[-8192:]))
+    )
     return JobResult(
         returncode=returncode,
         signal=sig,

@@ -72,8 +72,7 @@ class UnsafeFileError(LoomError):
 
 
 class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
 _openat2_state: dict[str, object] = {}
@@ -83,8 +82,13 @@ _probe_lock = threading.Lock()
 def _raw_openat2(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
     fn = _openat2_state["syscall"]
     how = _OpenHow(flags, mode, resolve)
-    fd = fn(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(path),  # type: ignore[operator]
-            ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    fd = fn(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(dirfd),
+        ctypes.c_char_p(path),  # type: ignore[operator]
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), os.fsdecode(path))
@@ -105,8 +109,7 @@ def openat2_available() -> bool:
                 fn = libc.syscall
                 fn.restype = ctypes.c_long
                 _openat2_state["syscall"] = fn
-                fd = _raw_openat2(_AT_FDCWD, b"/", _O_PATH | _O_DIRECTORY | _O_CLOEXEC, 0,
-                                  RESOLVE_NO_SYMLINKS)
+                fd = _raw_openat2(_AT_FDCWD, b"/", _O_PATH | _O_DIRECTORY | _O_CLOEXEC, 0, RESOLVE_NO_SYMLINKS)
                 os.close(fd)
                 ok = True
             except (OSError, AttributeError):
@@ -147,8 +150,10 @@ def _translate(exc: OSError, where: str) -> Exception:
     if code == errno.ENOENT:
         return LoomError(ErrorCode.NOT_FOUND, f"{where} does not exist")
     if code in (errno.ELOOP, errno.EXDEV, errno.EMLINK):
-        return UnsafeFileError(f"{where} is a symbolic link or goes through one (or leaves its "
-                               "directory); the server never follows links there")
+        return UnsafeFileError(
+            f"{where} is a symbolic link or goes through one (or leaves its "
+            "directory); the server never follows links there"
+        )
     if code == errno.ENOTDIR:
         return UnsafeFileError(f"{where}: a component is not a directory (or is a link to one)")
     if code == errno.EISDIR:
@@ -179,8 +184,13 @@ def _open_beneath_fd(dirfd: int, parts: list[str], flags: int, mode: int = 0) ->
         path = os.fsencode("/".join(parts))
         for _ in range(8):  # EAGAIN: a concurrent rename during resolution; try again
             try:
-                return _raw_openat2(dirfd, path, flags, mode if flags & os.O_CREAT else 0,
-                                    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+                return _raw_openat2(
+                    dirfd,
+                    path,
+                    flags,
+                    mode if flags & os.O_CREAT else 0,
+                    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+                )
             except OSError as exc:
                 if exc.errno != errno.EAGAIN:
                     raise
@@ -189,8 +199,7 @@ def _open_beneath_fd(dirfd: int, parts: list[str], flags: int, mode: int = 0) ->
     try:
         for part in parts[:-1]:
             # O_PATH: search permission is enough on the way (a link is ENOTDIR/ELOOP here).
-            nfd = os.open(part, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
-                          dir_fd=fd)
+            nfd = os.open(part, (_O_PATH or os.O_RDONLY) | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
             if owned:
                 os.close(fd)
             fd, owned = nfd, True
@@ -268,8 +277,7 @@ def _check_regular(fd: int, where: str, max_bytes: int | None, allow_hardlinks: 
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeFileError(f"{where} is not a regular file (a FIFO, device, socket or directory)")
     if not allow_hardlinks and st.st_nlink > 1:
-        raise UnsafeFileError(f"{where} has {st.st_nlink} hard links; a job's own outputs have "
-                              "one, so it is refused")
+        raise UnsafeFileError(f"{where} has {st.st_nlink} hard links; a job's own outputs have one, so it is refused")
     if max_bytes is not None and st.st_size > max_bytes:
         raise UnsafeFileError(f"{where} is {st.st_size} bytes, more than the {max_bytes} allowed")
     return st
@@ -285,8 +293,9 @@ def _wrap_read(fd: int, where: str, max_bytes: int | None, allow_hardlinks: bool
     return io.BufferedReader(_CappedRaw(fd, where, max_bytes))  # type: ignore[return-value]
 
 
-def open_read(base: Path | str, rel: str | os.PathLike[str], *, max_bytes: int | None,
-              allow_hardlinks: bool = False) -> BinaryIO:
+def open_read(
+    base: Path | str, rel: str | os.PathLike[str], *, max_bytes: int | None, allow_hardlinks: bool = False
+) -> BinaryIO:
     """A binary file object (seekable; ijson and gzip can stream it) for the regular file
     `base/rel`. Links, non-regular files, more than `max_bytes`, or (unless allowed) a second
     hard link are refused with a coded error."""
@@ -309,16 +318,24 @@ def _decode(data: bytes, where: str, encoding: str, errors: str) -> str:
         raise LoomError(ErrorCode.BAD_INPUT, f"{where} is not {encoding} text: {exc}") from exc
 
 
-def read_bytes(base: Path | str, rel: str | os.PathLike[str], max_bytes: int, *,
-               allow_hardlinks: bool = False) -> bytes:
-    return _read_all(open_read(base, rel, max_bytes=max_bytes, allow_hardlinks=allow_hardlinks),
-                     max_bytes)
+def read_bytes(
+    base: Path | str, rel: str | os.PathLike[str], max_bytes: int, *, allow_hardlinks: bool = False
+) -> bytes:
+    return _read_all(open_read(base, rel, max_bytes=max_bytes, allow_hardlinks=allow_hardlinks), max_bytes)
 
 
-def read_text(base: Path | str, rel: str | os.PathLike[str], max_bytes: int, *,
-              encoding: str = "utf-8", errors: str = "strict", allow_hardlinks: bool = False) -> str:
-    return _decode(read_bytes(base, rel, max_bytes, allow_hardlinks=allow_hardlinks),
-                   _describe(base, rel), encoding, errors)
+def read_text(
+    base: Path | str,
+    rel: str | os.PathLike[str],
+    max_bytes: int,
+    *,
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    allow_hardlinks: bool = False,
+) -> str:
+    return _decode(
+        read_bytes(base, rel, max_bytes, allow_hardlinks=allow_hardlinks), _describe(base, rel), encoding, errors
+    )
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -334,8 +351,7 @@ def create_new(base: Path | str, rel: str | os.PathLike[str], *, mode: int = 0o6
             os.unlink(name, dir_fd=pfd)
         except FileNotFoundError:
             pass
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                     mode, dir_fd=pfd)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=pfd)
     except OSError as exc:
         raise _translate(exc, _describe(base, rel)) from exc
     finally:
@@ -343,8 +359,9 @@ def create_new(base: Path | str, rel: str | os.PathLike[str], *, mode: int = 0o6
     return os.fdopen(fd, "wb")  # type: ignore[return-value]
 
 
-def write_bytes(base: Path | str, rel: str | os.PathLike[str], data: bytes, *,
-                mode: int = 0o644, fsync: bool = False) -> None:
+def write_bytes(
+    base: Path | str, rel: str | os.PathLike[str], data: bytes, *, mode: int = 0o644, fsync: bool = False
+) -> None:
     """Atomically replace `base/rel` with `data`: a temp file created O_EXCL in the same
     directory, then renamed over the name through the same directory descriptor. A link at the
     name is replaced, never written through; readers see the old file or the whole new one."""
@@ -352,8 +369,7 @@ def write_bytes(base: Path | str, rel: str | os.PathLike[str], data: bytes, *,
     tmp = f".{name[:64]}.{secrets.token_hex(6)}.tmp"
     try:
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                         mode, dir_fd=pfd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=pfd)
         except OSError as exc:
             raise _translate(exc, _describe(base, rel)) from exc
         try:
@@ -375,8 +391,15 @@ def write_bytes(base: Path | str, rel: str | os.PathLike[str], data: bytes, *,
         os.close(pfd)
 
 
-def write_text(base: Path | str, rel: str | os.PathLike[str], text: str, *,
-               encoding: str = "utf-8", mode: int = 0o644, fsync: bool = False) -> None:
+def write_text(
+    base: Path | str,
+    rel: str | os.PathLike[str],
+    text: str,
+    *,
+    encoding: str = "utf-8",
+    mode: int = 0o644,
+    fsync: bool = False,
+) -> None:
     write_bytes(base, rel, text.encode(encoding), mode=mode, fsync=fsync)
 
 
@@ -457,8 +480,7 @@ def discard(base: Path | str, rel: str | os.PathLike[str]) -> None:
         pass
 
 
-def find_files(base: Path | str, rel: str | os.PathLike[str], *, suffix: str = ""
-               ) -> list[tuple[str, int]]:
+def find_files(base: Path | str, rel: str | os.PathLike[str], *, suffix: str = "") -> list[tuple[str, int]]:
     """(path relative to `base`, size) of every regular file under `base/rel` whose name ends
     with `suffix`, largest first. Links (to files or directories) are neither listed nor
     followed."""
@@ -485,13 +507,16 @@ def find_files(base: Path | str, rel: str | os.PathLike[str], *, suffix: str = "
     return sorted(found, key=lambda item: (-item[1], item[0]))
 
 
-def copy_out(base: Path | str, rel: str | os.PathLike[str], dest: Path, *, max_bytes: int,
-             allow_hardlinks: bool = False) -> int:
+def copy_out(
+    base: Path | str, rel: str | os.PathLike[str], dest: Path, *, max_bytes: int, allow_hardlinks: bool = False
+) -> int:
     """Copy the job's regular file `base/rel` to the server-owned path `dest` (created new,
     O_EXCL; its directory must be the server's). Returns the bytes copied."""
     dest = Path(dest)
-    with open_read(base, rel, max_bytes=max_bytes, allow_hardlinks=allow_hardlinks) as src, \
-            create_new(dest.parent, dest.name, mode=0o600) as out:
+    with (
+        open_read(base, rel, max_bytes=max_bytes, allow_hardlinks=allow_hardlinks) as src,
+        create_new(dest.parent, dest.name, mode=0o600) as out,
+    ):
         shutil.copyfileobj(src, out, 1 << 20)
         return out.tell()
 
@@ -499,8 +524,7 @@ def copy_out(base: Path | str, rel: str | os.PathLike[str], dest: Path, *, max_b
 # ------------------------------------------------------------------------------------ agent paths
 
 
-def open_resolved(path: Path | str, *, max_bytes: int | None,
-                  allow_hardlinks: bool = True) -> BinaryIO:
+def open_resolved(path: Path | str, *, max_bytes: int | None, allow_hardlinks: bool = True) -> BinaryIO:
     """Open the regular file at `path`, an absolute path already resolved (no symlinks) and
     checked by the caller, refusing if any of its components is a symlink now: what was checked
     is what is opened. Agent files may have several hard links (worktrees, cp -al), so they are
@@ -515,8 +539,9 @@ def open_resolved(path: Path | str, *, max_bytes: int | None,
             fd = -1
             for _ in range(8):
                 try:
-                    fd = _raw_openat2(_AT_FDCWD, os.fsencode(norm), _READ_FLAGS, 0,
-                                      RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+                    fd = _raw_openat2(
+                        _AT_FDCWD, os.fsencode(norm), _READ_FLAGS, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+                    )
                     break
                 except OSError as exc:
                     if exc.errno != errno.EAGAIN:
@@ -541,8 +566,9 @@ def read_resolved_bytes(path: Path | str, max_bytes: int = MAX_SOURCE_BYTES) -> 
     return _read_all(open_resolved(path, max_bytes=max_bytes), max_bytes)
 
 
-def read_resolved_text(path: Path | str, max_bytes: int = MAX_SOURCE_BYTES, *,
-                       encoding: str = "utf-8", errors: str = "strict") -> str:
+def read_resolved_text(
+    path: Path | str, max_bytes: int = MAX_SOURCE_BYTES, *, encoding: str = "utf-8", errors: str = "strict"
+) -> str:
     return _decode(read_resolved_bytes(path, max_bytes), os.fspath(path), encoding, errors)
 
 
@@ -567,14 +593,16 @@ def resolve_agent_path(path: Path | str, roots: Iterable[Path | str], what: str 
     resolved = Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
     roots = list(roots)
     if not _within(resolved, roots):
-        raise LoomError(ErrorCode.NOT_ALLOWED,
-                        f"{what} {resolved} is outside the allowed roots "
-                        f"({', '.join(str(r) for r in roots)})")
+        raise LoomError(
+            ErrorCode.NOT_ALLOWED,
+            f"{what} {resolved} is outside the allowed roots ({', '.join(str(r) for r in roots)})",
+        )
     return resolved
 
 
-def open_agent_file(path: Path | str, roots: Iterable[Path | str], max_bytes: int | None, *,
-                    what: str = "file") -> BinaryIO:
+def open_agent_file(
+    path: Path | str, roots: Iterable[Path | str], max_bytes: int | None, *, what: str = "file"
+) -> BinaryIO:
     """An agent-named file (a trace, a candidate): resolved once, checked against `roots`, then
     opened with no symlink followed on the way to the resolved path, as a regular file of at
     most `max_bytes`. The file object's `.name` is the resolved path (readers that pick a format

@@ -53,12 +53,43 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What programs read from /etc. Not: shadow, gshadow, sudoers*, ssh/, ssl/private, machine-id,
 # the package manager's state, anything with credentials.
 ETC_ALLOWLIST = (
-    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "hosts", "host.conf",
-    "nsswitch.conf", "resolv.conf", "gai.conf", "protocols", "services", "localtime", "timezone",
-    "os-release", "lsb-release", "debian_version", "redhat-release", "system-release",
-    "alternatives", "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf",
-    "pki/tls/certs", "pki/ca-trust", "mime.types", "fonts", "gitconfig", "OpenCL/vendors",
-    "nvidia", "vulkan", "profile", "bash.bashrc", "shells", "login.defs", "inputrc",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "passwd",
+    "group",
+    "hosts",
+    "host.conf",
+    "nsswitch.conf",
+    "resolv.conf",
+    "gai.conf",
+    "protocols",
+    "services",
+    "localtime",
+    "timezone",
+    "os-release",
+    "lsb-release",
+    "debian_version",
+    "redhat-release",
+    "system-release",
+    "alternatives",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "pki/tls/certs",
+    "pki/ca-trust",
+    "mime.types",
+    "fonts",
+    "gitconfig",
+    "OpenCL/vendors",
+    "nvidia",
+    "vulkan",
+    "profile",
+    "bash.bashrc",
+    "shells",
+    "login.defs",
+    "inputrc",
 )
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -67,8 +98,27 @@ GPU_NODES = ("/dev/nvidia*", "/dev/dri", "/dev/kfd")
 # Tools a job may run, found on the server's PATH (which the worker inherits): each one's
 # install directory is bound (a toolkit root for compilers under a `bin`, the version directory
 # of the Nsight tools).
-TOOLS = ("nvcc", "hipcc", "ptxas", "cuobjdump", "nvdisasm", "ncu", "nsys", "rocprofv3", "rocprof",
-         "ninja", "cc", "gcc", "c++", "g++", "clang", "ld", "as", "ldconfig", "git")
+TOOLS = (
+    "nvcc",
+    "hipcc",
+    "ptxas",
+    "cuobjdump",
+    "nvdisasm",
+    "ncu",
+    "nsys",
+    "rocprofv3",
+    "rocprof",
+    "ninja",
+    "cc",
+    "gcc",
+    "c++",
+    "g++",
+    "clang",
+    "ld",
+    "as",
+    "ldconfig",
+    "git",
+)
 TOOLKIT_GLOBS = ("/usr/local/cuda*", "/opt/rocm*", "/opt/cuda*")
 TOOLKIT_ENV = ("CUDA_HOME", "CUDA_PATH", "ROCM_PATH", "ROCM_HOME", "HIP_PATH")
 # Compilers named by the environment (Triton builds its launcher with $CC, torch's
@@ -79,13 +129,44 @@ _SHARED_PREFIXES = ("/", "/usr", "/usr/local", "/opt", "/bin", "/sbin", "/usr/bi
 
 # Credentials under a home directory, masked when a trusted job's allowed root contains it.
 HOME_SECRETS = (
-    ".ssh", ".gnupg", ".aws", ".azure", ".config/gcloud", ".config/gh", ".config/hub", ".docker",
-    ".kube", ".netrc", ".git-credentials", ".pypirc", ".npmrc", ".yarnrc", ".cargo/credentials",
-    ".cargo/credentials.toml", ".huggingface", ".cache/huggingface/token",
-    ".cache/huggingface/stored_tokens", ".config/huggingface", ".bash_history", ".zsh_history",
-    ".python_history", ".lesshst", ".local/share/keyrings", ".password-store", ".vault-token",
-    ".terraform.d", ".claude", ".claude.json", ".codex", ".config/anthropic", ".config/openai",
-    ".wandb", ".netrc.gpg", ".mozilla", ".config/google-chrome", ".config/chromium",
+    ".ssh",
+    ".gnupg",
+    ".aws",
+    ".azure",
+    ".config/gcloud",
+    ".config/gh",
+    ".config/hub",
+    ".docker",
+    ".kube",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+    ".npmrc",
+    ".yarnrc",
+    ".cargo/credentials",
+    ".cargo/credentials.toml",
+    ".huggingface",
+    ".cache/huggingface/token",
+    ".cache/huggingface/stored_tokens",
+    ".config/huggingface",
+    ".bash_history",
+    ".zsh_history",
+    ".python_history",
+    ".lesshst",
+    ".local/share/keyrings",
+    ".password-store",
+    ".vault-token",
+    ".terraform.d",
+    ".claude",
+    ".claude.json",
+    ".codex",
+    ".config/anthropic",
+    ".config/openai",
+    ".wandb",
+    ".netrc.gpg",
+    ".mozilla",
+    ".config/google-chrome",
+    ".config/chromium",
 )
 
 _KIND_ORDER = {"tmpfs": 0, "mask": 0, "proc": 0, "bind": 1, "devpts": 1, "symlink": 2}
@@ -132,8 +213,15 @@ class Plan:
         # binding one would bring in everything the view leaves out.
         self.never = {"/", *never}
 
-    def bind(self, path: str | os.PathLike, mode: str = "ro", *, optional: bool = False,
-             system: bool = False, dst: str | None = None) -> None:
+    def bind(
+        self,
+        path: str | os.PathLike,
+        mode: str = "ro",
+        *,
+        optional: bool = False,
+        system: bool = False,
+        dst: str | None = None,
+    ) -> None:
         """Bind `path` at the same place (or at `dst`). A `system` path is skipped when an
         ancestor is bound already, or when it is (a parent of) $HOME or LOOM_HOME; a job's own
         paths are always bound, and what they contain of LOOM_HOME is masked (see `mask`)."""
@@ -165,8 +253,7 @@ class Plan:
                 entry["mode"] = "rw"
             entry["optional"] = entry["optional"] and optional
             return
-        self.binds[target] = {"op": "bind", "path": target, "src": real, "mode": mode,
-                              "optional": optional}
+        self.binds[target] = {"op": "bind", "path": target, "src": real, "mode": mode, "optional": optional}
 
     def add(self, op: str, path: str, **fields: Any) -> None:
         self.entries.append({"op": op, "path": path, **fields})
@@ -187,15 +274,15 @@ class Plan:
                 self.add("mask", real)
 
     def entries_sorted(self) -> list[dict[str, Any]]:
-        links = [{"op": "symlink", "path": p, "target": t} for p, t in self.links.items()
-                 if p not in self.binds]
+        links = [{"op": "symlink", "path": p, "target": t} for p, t in self.links.items() if p not in self.binds]
         return sort_entries([*self.entries, *self.binds.values(), *links])
 
 
 def sort_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Parents first, so that every mount point exists when its turn comes."""
-    return sorted(entries, key=lambda e: (e["path"].count("/") if e["path"] != "/" else 0,
-                                          _KIND_ORDER[e["op"]], e["path"]))
+    return sorted(
+        entries, key=lambda e: (e["path"].count("/") if e["path"] != "/" else 0, _KIND_ORDER[e["op"]], e["path"])
+    )
 
 
 def late_entries(base: list[dict[str, Any]], full: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -237,8 +324,23 @@ def _editable_roots(paths: Iterable[str]) -> list[str]:
 # Never a system path as a whole: the view's own private mounts, and trees that hold more than
 # any job needs. (A server started as `python some/dir/script.py` has that directory on
 # sys.path: /tmp, once.)
-_NEVER_SYSTEM = ("/tmp", "/var/tmp", "/dev", "/dev/shm", "/proc", "/sys", "/run", "/etc", "/var",
-                 "/home", "/mnt", "/media", "/srv", "/opt", "/root")
+_NEVER_SYSTEM = (
+    "/tmp",
+    "/var/tmp",
+    "/dev",
+    "/dev/shm",
+    "/proc",
+    "/sys",
+    "/run",
+    "/etc",
+    "/var",
+    "/home",
+    "/mnt",
+    "/media",
+    "/srv",
+    "/opt",
+    "/root",
+)
 
 
 def _never() -> set[str]:
@@ -295,11 +397,16 @@ def _system_plan() -> tuple[tuple[str, Any], ...]:
             items.append(("symlink", (path, os.readlink(path))))
         elif os.path.isdir(path):
             items.append(("bind", (path, False)))
-    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-              os.path.dirname(os.path.realpath(sys.executable)),
-              *(p for p in sys.path if p and os.path.isabs(p)),
-              *_editable_roots(p for p in sys.path if p and os.path.isdir(p)),
-              os.path.dirname(os.path.abspath(loom_mcp.__file__))]
+    python = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *(p for p in sys.path if p and os.path.isabs(p)),
+        *_editable_roots(p for p in sys.path if p and os.path.isdir(p)),
+        os.path.dirname(os.path.abspath(loom_mcp.__file__)),
+    ]
     items += [("bind", (p, True)) for p in python]
     toolkits = [p for pattern in TOOLKIT_GLOBS for p in sorted(glob.glob(pattern))]
     toolkits += [os.environ[name] for name in TOOLKIT_ENV if os.environ.get(name)]
@@ -332,9 +439,15 @@ def hidden_paths(extra: Iterable[Path] = ()) -> list[Path]:
     return [*policy.current().hidden(), *(home / name for name in HOME_SECRETS), *extra]
 
 
-def job_view(*, job_dir: Path, readable: Iterable[Path] = (), writable: Iterable[Path] = (),
-             shm_dir: Path | None = None, tmp_bytes: int = 1 << 30,
-             hidden: Iterable[Path] = ()) -> list[dict[str, Any]]:
+def job_view(
+    *,
+    job_dir: Path,
+    readable: Iterable[Path] = (),
+    writable: Iterable[Path] = (),
+    shm_dir: Path | None = None,
+    tmp_bytes: int = 1 << 30,
+    hidden: Iterable[Path] = (),
+) -> list[dict[str, Any]]:
     """The entries of one job's root (see the module docstring). `tmp_bytes` sizes the private
     /tmp and /dev/shm tmpfs (the job's disk quota: they hold files too)."""
     plan = Plan(_never())
@@ -344,9 +457,13 @@ def job_view(*, job_dir: Path, readable: Iterable[Path] = (), writable: Iterable
     plan.add("tmpfs", "/dev", options="size=64k,mode=0755", readonly=False)
     for name in DEV_NODES:
         plan.bind(f"/dev/{name}", "rw", optional=True)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
-                         ("ptmx", "pts/ptmx")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ):
         plan.symlink(f"/dev/{name}", target)
     plan.add("devpts", "/dev/pts", optional=True)
     for pattern in GPU_NODES:

@@ -96,12 +96,14 @@ def trusted_readable(pool_dir: Path) -> list[Path]:
 
 def _fresh(template: JobSpec, pool_dir: Path, blank: bool = False) -> Launched:
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
-    spec = template.model_copy(update={
-        "job_dir": pool_dir / (f"b{stamp}" if blank else f"w{stamp}"),
-        "request": None,
-        "env": {**template.env, "LOOM_WARM_IDLE_S": str(int(IDLE_S))},
-        "readable": template.readable if blank else [*template.readable, *trusted_readable(pool_dir)],
-    })
+    spec = template.model_copy(
+        update={
+            "job_dir": pool_dir / (f"b{stamp}" if blank else f"w{stamp}"),
+            "request": None,
+            "env": {**template.env, "LOOM_WARM_IDLE_S": str(int(IDLE_S))},
+            "readable": template.readable if blank else [*template.readable, *trusted_readable(pool_dir)],
+        }
+    )
     return spawn(spec, late=True) if blank else spawn(spec, stdin_pipe=True)
 
 
@@ -185,17 +187,25 @@ def _blank_template(spec: JobSpec, base_env: dict[str, str]) -> JobSpec | None:
     `base_env` (what every job of its kind has), and none of the job's paths."""
     if len(spec.argv) != 3 or spec.argv[1] != "-m":
         return None
-    return spec.model_copy(update={
-        "argv": warm_argv(spec.argv[0], spec.argv[2]), "env": dict(base_env), "readable": [],
-        "writable": [], "shm_dir": None, "request": None})
+    return spec.model_copy(
+        update={
+            "argv": warm_argv(spec.argv[0], spec.argv[2]),
+            "env": dict(base_env),
+            "readable": [],
+            "writable": [],
+            "shm_dir": None,
+            "request": None,
+        }
+    )
 
 
 def blanks_for(device: str) -> bool:
     return device != "cpu" or BLANK_ON_CPU
 
 
-async def start(spec: JobSpec, pool_dir: Path, *, base_env: dict[str, str], blank: bool = True,
-                refill: bool = True, depth: int = 1) -> Launched:
+async def start(
+    spec: JobSpec, pool_dir: Path, *, base_env: dict[str, str], blank: bool = True, refill: bool = True, depth: int = 1
+) -> Launched:
     """`spec` started: in an idle blank worker given the job's paths when there is one, else in
     a fresh process. `base_env` is the part of `spec.env` that every job of its kind shares (the
     rest reaches the worker with its job). With `refill`, blank workers are started until
@@ -246,14 +256,19 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
             path.mkdir(parents=True, exist_ok=True)
         ops = view.late_entries(worker.view_ops, job_root(spec, worker.job_dir, writable))
         if alias != worker.job_dir:
-            ops = view.sort_entries([*ops, {"op": "bind", "path": str(alias),
-                                            "src": str(worker.job_dir), "mode": "rw", "optional": False}])
+            ops = view.sort_entries(
+                [*ops, {"op": "bind", "path": str(alias), "src": str(worker.job_dir), "mode": "rw", "optional": False}]
+            )
         if spec.request is not None:
             safefs.write_text(worker.job_dir, worker.request_path.name, json.dumps(spec.request))
     except (OSError, ValueError) as exc:
         return str(exc)
-    go_env = {k: v for k, v in spec.env.items() if base_env.get(k) != v
-              and (k in env_rules.SERVER_NAMES or not (env_rules.is_secret(k) or env_rules.is_secret_value(v)))}
+    go_env = {
+        k: v
+        for k, v in spec.env.items()
+        if base_env.get(k) != v
+        and (k in env_rules.SERVER_NAMES or not (env_rules.is_secret(k) or env_rules.is_secret_value(v)))
+    }
     if "TMPDIR" in go_env:
         go_env.update(TMP=go_env["TMPDIR"], TEMP=go_env["TMPDIR"])
     message = {"ops": ops, "go": json.dumps({"env": go_env})}
@@ -278,14 +293,22 @@ def dispatch_late(worker: Launched, spec: JobSpec, base_env: dict[str, str], ali
     if not ack.get("ok"):
         error = str(ack.get("error"))
         if not _late_failed:  # init itself refused: so will every other
-            log.warning("sandbox: this kernel cannot add a job's paths to a running worker (%s); "
-                        "every job gets a fresh process", error)
+            log.warning(
+                "sandbox: this kernel cannot add a job's paths to a running worker (%s); "
+                "every job gets a fresh process",
+                error,
+            )
             _late_failed.append(error)
         return error
     for problem in ack.get("problems") or []:
         log.debug("sandbox: optional entry not added: %s", problem)
-    log.info("warm: %s runs in blank worker %s (%d paths added in %.1f ms)", spec.job_dir.name,
-             worker.job_dir.name, len(ops), 1000 * (time.monotonic() - sent))
+    log.info(
+        "warm: %s runs in blank worker %s (%d paths added in %.1f ms)",
+        spec.job_dir.name,
+        worker.job_dir.name,
+        len(ops),
+        1000 * (time.monotonic() - sent),
+    )
     worker.spec = spec
     worker.watched = (worker.job_dir, *writable)
     return None
@@ -301,8 +324,14 @@ def link_into(worker: Launched, link: Path) -> None:
         log.debug("warm: could not link %s to %s", link, worker.job_dir)
 
 
-async def run_warm(worker: Launched, request: dict[str, Any], *, secret_env: dict[str, str],
-                   timeout_s: float, on_progress: Progress | None = None) -> JobResult:
+async def run_warm(
+    worker: Launched,
+    request: dict[str, Any],
+    *,
+    secret_env: dict[str, str],
+    timeout_s: float,
+    on_progress: Progress | None = None,
+) -> JobResult:
     """Give a taken worker its job (request written to its directory, secrets over stdin) and
     supervise it to the end; the timeout counts from now."""
     # The worker has been running in this directory: replace the name, never write through it.

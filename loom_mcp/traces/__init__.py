@@ -12,9 +12,22 @@ _LAZY = {
     "trace_content_hash": "cache",
     "scrub_trace": "scrub",
     "ANALYSIS_VERSION": "summary",
-    **{name: "models" for name in (
-        "CategoryRow", "DiffRow", "DiffSummary", "Finding", "LinkingSummary", "MetadataNote",
-        "OpRow", "Roofline", "ScrubReport", "TimelineSummary", "TraceAnalysis")},
+    **{
+        name: "models"
+        for name in (
+            "CategoryRow",
+            "DiffRow",
+            "DiffSummary",
+            "Finding",
+            "LinkingSummary",
+            "MetadataNote",
+            "OpRow",
+            "Roofline",
+            "ScrubReport",
+            "TimelineSummary",
+            "TraceAnalysis",
+        )
+    },
 }
 
 

@@ -92,17 +92,13 @@ def op_groups(td: TraceData, links: Links, cat: np.ndarray, peak: Any | None) ->
     sig = np.full(n, -1, dtype=np.int64)
     if by_op.any():
         sig[by_op] = td.np("o_sig")[op[by_op]]
-    via = np.where(
-        by_op, 0, np.where(links.graph, 1, np.where(links.launch >= 0, 2, 3))
-    )  # op, graph, no-op, unlinked
+    via = np.where(by_op, 0, np.where(links.graph, 1, np.where(links.launch >= 0, 2, 3)))  # op, graph, no-op, unlinked
     key = np.where(by_op, sig, n_sig + g_name * 4 + via)
     uniq, inv = np.unique(key, return_inverse=True)
     g = len(uniq)
     time = np.bincount(inv, weights=dur, minlength=g)
     kernels = np.bincount(inv, minlength=g)
-    nbytes = np.bincount(
-        inv, weights=np.where(g_kind != KIND_KERNEL, td.np("g_bytes"), 0), minlength=g
-    )
+    nbytes = np.bincount(inv, weights=np.where(g_kind != KIND_KERNEL, td.np("g_bytes"), 0), minlength=g)
     first = np.full(g, np.inf)
     np.minimum.at(first, inv, ts)
     # Calls: distinct op instances for op groups, activities for the others.
@@ -113,9 +109,7 @@ def op_groups(td: TraceData, links: Links, cat: np.ndarray, peak: Any | None) ->
         is_op_group = uniq < n_sig
         calls[is_op_group] = calls_op[is_op_group]
     ncat = len(CATEGORIES)
-    cat_time = np.bincount(inv * ncat + cat, weights=dur + 1e-9, minlength=g * ncat).reshape(
-        g, ncat
-    )
+    cat_time = np.bincount(inv * ncat + cat, weights=dur + 1e-9, minlength=g * ncat).reshape(g, ncat)
     dominant = cat_time.argmax(axis=1)
     vias = ("op", "graph", "no-op", "unlinked")
     groups: list[OpGroup] = []
@@ -177,9 +171,7 @@ def kernel_stats(td: TraceData, links: Links, cat: np.ndarray) -> list[KernelSta
     np.maximum.at(mx, inv, dur)
     graph = np.bincount(inv, weights=links.graph.astype(float), minlength=g)
     ncat = len(CATEGORIES)
-    cat_time = np.bincount(inv * ncat + cat, weights=dur + 1e-9, minlength=g * ncat).reshape(
-        g, ncat
-    )
+    cat_time = np.bincount(inv * ncat + cat, weights=dur + 1e-9, minlength=g * ncat).reshape(g, ncat)
     dominant = cat_time.argmax(axis=1)
     out = [
         KernelStat(

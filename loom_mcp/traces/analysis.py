@@ -42,12 +42,7 @@ from loom_mcp.traces.timeline import (
 )
 
 _BUCKET_OF_CAT = np.array(
-    [
-        {"compute": BUCKET_COMPUTE, "comm": BUCKET_COMM, "memcpy": BUCKET_MEMCPY}[
-            timeline_bucket(c)
-        ]
-        for c in CATEGORIES
-    ],
+    [{"compute": BUCKET_COMPUTE, "comm": BUCKET_COMM, "memcpy": BUCKET_MEMCPY}[timeline_bucket(c)] for c in CATEGORIES],
     dtype=np.int64,
 )
 
@@ -114,8 +109,7 @@ def analyze(path: Path) -> FullAnalysis:
     primary = timelines[0] if timelines else None
     if primary is None:
         notes.append(
-            "no GPU activity in the trace: ops ranked by top-level host time, which says "
-            "nothing of GPU speed"
+            "no GPU activity in the trace: ops ranked by top-level host time, which says nothing of GPU speed"
             if len(td.o_ts)
             else "no GPU activity in the trace"
         )

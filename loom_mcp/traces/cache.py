@@ -99,8 +99,7 @@ def analyze_trace_cached(
             if isolate:
                 from loom_mcp.traces.isolate import analyze_isolated
 
-                analyze_isolated(trace, baseline=baseline, top_k=top_k, out_dir=tmp,
-                                 limits=limits)
+                analyze_isolated(trace, baseline=baseline, top_k=top_k, out_dir=tmp, limits=limits)
             else:
                 analyze_trace_file(trace, baseline=baseline, top_k=top_k, out_dir=tmp)
         except BaseException:

@@ -110,9 +110,7 @@ _GENERIC = {
     "gpu_kernel_impl",
     "gpu_kernel_impl_nocast",
 }
-_INNER = re.compile(
-    r"\b([A-Za-z_]\w*?(?:Functor|functor|Impl|Ops|_kernel_cuda|_cuda|_kernel|Kernel|_op))\b"
-)
+_INNER = re.compile(r"\b([A-Za-z_]\w*?(?:Functor|functor|Impl|Ops|_kernel_cuda|_cuda|_kernel|Kernel|_op))\b")
 _GENERIC_BASES = {"kernel", "device_kernel", "trampoline_kernel", "kernel_entry", "global_kernel"}
 _FIRST_ID = re.compile(r"<\s*([A-Za-z_][\w:]*)")
 

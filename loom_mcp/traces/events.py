@@ -141,8 +141,7 @@ class TraceData:
         self.threads.scrub()
         self.devices = {k: scrub_text(str(v)) for k, v in self.devices.items()}
         self.sigs = [
-            OpSig(scrub_text(str(s.name)), scrub_any(s.dims), scrub_any(s.types),
-                  scrub_any(s.concrete))
+            OpSig(scrub_text(str(s.name)), scrub_any(s.dims), scrub_any(s.types), scrub_any(s.concrete))
             for s in self.sigs
         ]
         self.sig_ids = {}

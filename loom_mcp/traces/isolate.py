@@ -40,9 +40,7 @@ _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PKG_PARENT, env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH", "")) if p)
     # One thread per BLAS/OpenMP pool: each would otherwise reserve address space per core,
     # which counts against RLIMIT_AS on a many-core host.
     for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -106,8 +104,7 @@ def analyze_isolated(
                 result = None
             break
     if proc.stderr.strip():
-        log.warning("trace analysis child (rc %s): %s", proc.returncode,
-                    scrub_text(proc.stderr[-4000:]))
+        log.warning("trace analysis child (rc %s): %s", proc.returncode, scrub_text(proc.stderr[-4000:]))
     if result is not None and result.get("ok"):
         return result
     if result is not None:
@@ -128,8 +125,7 @@ def analyze_isolated(
         )
     raise LoomError(
         ErrorCode.INTERNAL,
-        f"{name}: trace analysis failed unexpectedly (exit {proc.returncode}); "
-        "the server log has details",
+        f"{name}: trace analysis failed unexpectedly (exit {proc.returncode}); the server log has details",
     )
 
 
@@ -199,8 +195,7 @@ def _child_main() -> int:
         report(
             ok=False,
             code=ErrorCode.BAD_INPUT.value,
-            message=f"{name}: trace structure nests too deeply to analyse "
-            f"({ENV['max_depth']})",
+            message=f"{name}: trace structure nests too deeply to analyse ({ENV['max_depth']})",
         )
         return 0
     except Exception as exc:  # a bug, or input no check foresaw: the parent logs stderr
@@ -210,8 +205,7 @@ def _child_main() -> int:
         report(
             ok=False,
             code=ErrorCode.INTERNAL.value,
-            message=f"{name}: trace analysis failed unexpectedly ({type(exc).__name__}); "
-            "the server log has details",
+            message=f"{name}: trace analysis failed unexpectedly ({type(exc).__name__}); the server log has details",
         )
         return 0
     report(ok=True)

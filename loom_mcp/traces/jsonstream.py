@@ -76,8 +76,7 @@ class DepthScanner:
     string costs time quadratic in its length (64 MiB: 9 s).
     """
 
-    __slots__ = ("limit", "token_limit", "depth", "in_string", "escape", "name", "offset",
-                 "last")
+    __slots__ = ("limit", "token_limit", "depth", "in_string", "escape", "name", "offset", "last")
 
     def __init__(self, limit: int, name: str, token_limit: int = 0) -> None:
         self.limit = limit
@@ -173,11 +172,7 @@ class GuardedReader:
         self.limits = limits
         self.compressed = compressed
         self.inflated = 0
-        self.depth = (
-            DepthScanner(limits.max_depth, name, limits.max_token_bytes)
-            if limits.max_depth > 0
-            else None
-        )
+        self.depth = DepthScanner(limits.max_depth, name, limits.max_token_bytes) if limits.max_depth > 0 else None
 
     def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:
@@ -236,14 +231,11 @@ def open_bytes(path: Path, limits: _limits.TraceLimits | None = None) -> Guarded
     try:
         magic = f.read(2)
         f.seek(0)
-        raw: IO[bytes] | gzip.GzipFile = (
-            gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
-        )
+        raw: IO[bytes] | gzip.GzipFile = gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
     except BaseException:
         f.close()
         raise
-    return GuardedReader(raw, f, scrub_text(path.name), limits or _limits.current(),
-                         compressed=raw is not f)
+    return GuardedReader(raw, f, scrub_text(path.name), limits or _limits.current(), compressed=raw is not f)
 
 
 def json_error(path: Path, exc: Exception, pos: int | None = None) -> LoomError:
@@ -251,9 +243,7 @@ def json_error(path: Path, exc: Exception, pos: int | None = None) -> LoomError:
     quote the bytes around the error, which may hold a cut token no pattern recognises."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     near = f" in the first {pos} bytes" if pos else ""
-    return LoomError(
-        ErrorCode.BAD_INPUT, scrub_text(f"{path.name}: malformed JSON{near} ({first})")
-    )
+    return LoomError(ErrorCode.BAD_INPUT, scrub_text(f"{path.name}: malformed JSON{near} ({first})"))
 
 
 def peek(path: Path, n: int = 65536) -> bytes:
@@ -264,9 +254,7 @@ def peek(path: Path, n: int = 65536) -> bytes:
 class RecordingReader:
     """File-like wrapper that counts bytes and keeps the head and a rolling tail."""
 
-    def __init__(
-        self, raw: ByteSource, head_limit: int | None = None, tail_limit: int | None = None
-    ):
+    def __init__(self, raw: ByteSource, head_limit: int | None = None, tail_limit: int | None = None):
         self.raw = raw
         self.pos = 0
         self.head = bytearray()

@@ -62,10 +62,7 @@ def _fill_from_flows(td: TraceData, g_corr: np.ndarray) -> np.ndarray:
     missing = np.flatnonzero(g_corr < 0)
     if len(missing) == 0 or len(td.f_id) == 0:
         return g_corr
-    flows = {
-        (d, s, round(t, 3)): i
-        for d, s, t, i in zip(td.f_dev, td.f_stream, td.f_ts, td.f_id, strict=True)
-    }
+    flows = {(d, s, round(t, 3)): i for d, s, t, i in zip(td.f_dev, td.f_stream, td.f_ts, td.f_id, strict=True)}
     g_corr = g_corr.copy()
     for i in missing.tolist():
         fid = flows.get((td.g_dev[i], td.g_stream[i], round(td.g_ts[i], 3)))
@@ -144,9 +141,7 @@ def link(td: TraceData) -> Links:
     if has_launch.any():
         names = td.names
         l_name = td.np("l_name")
-        graph_name_ids = np.array(
-            [i for i, s in enumerate(names.values) if "GraphLaunch" in s], dtype=np.int64
-        )
+        graph_name_ids = np.array([i for i, s in enumerate(names.values) if "GraphLaunch" in s], dtype=np.int64)
         per_launch = np.bincount(launch[has_launch], minlength=len(td.l_ts))
         fan = per_launch > 1
         if len(graph_name_ids):
@@ -159,9 +154,7 @@ def link(td: TraceData) -> Links:
     if len(td.l_ts):
         # Correlation ids grow monotonically: a smaller id than any recorded call means the
         # launch happened before the profiling window opened.
-        early = (g_ts < float(np.min(td.np("l_ts")))) | (
-            (g_corr >= 0) & (g_corr < int(np.min(td.np("l_corr"))))
-        )
+        early = (g_ts < float(np.min(td.np("l_ts")))) | ((g_corr >= 0) & (g_corr < int(np.min(td.np("l_corr")))))
     else:
         early = np.zeros(n, dtype=bool)
     launch_ids = [i for i, s in enumerate(td.names.values) if _is_launch_api(s)]

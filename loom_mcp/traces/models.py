@@ -77,8 +77,7 @@ class OpRow(_M):
         "no-op: launched outside any op; unlinked: no launch record"
     )
     calls: int
-    us: float = Field(description="Summed kernel time (a trace without GPU activity: top-level "
-                      "host op time)")
+    us: float = Field(description="Summed kernel time (a trace without GPU activity: top-level host op time)")
     pct: float = Field(description="Share of summed GPU kernel time (or of host op time)")
     roof: Roofline | None = Field(default=None, description="Null when shapes are not modelled")
 

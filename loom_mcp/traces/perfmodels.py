@@ -385,9 +385,7 @@ def _elementwise(name: str, sig: OpSig, t: list[_T | None]) -> Work | None:
     if base in ("eq", "ne", "lt", "gt", "le", "ge") or base.startswith("logical"):
         out_elt = 1
     numel = math.prod(out_shape) if out_shape else 1
-    nbytes = sum(x.nbytes for x in tens) + numel * (
-        DTYPE_BYTES[tens[0].dtype] if inplace else out_elt
-    )
+    nbytes = sum(x.nbytes for x in tens) + numel * (DTYPE_BYTES[tens[0].dtype] if inplace else out_elt)
     return Work(float(per * numel), float(nbytes), None, False)
 
 

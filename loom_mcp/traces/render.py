@@ -26,9 +26,7 @@ def _write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
 
 
 def _write_json(path: Path, doc: Any) -> None:
-    path.write_bytes(
-        orjson.dumps(scrub_any(doc), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
-    )
+    path.write_bytes(orjson.dumps(scrub_any(doc), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
 
 
 def _ops_rows(fa: FullAnalysis) -> list[list[Any]]:
@@ -86,9 +84,7 @@ def full_json(fa: FullAnalysis, d: FullDiff | None) -> dict[str, Any]:
         "source_format": fa.source_format,
         "device": fa.device_name,
         "devices": {str(k): v for k, v in fa.devices.items()},
-        "peak": fa.peak.model_dump()
-        if fa.peak is not None and hasattr(fa.peak, "model_dump")
-        else None,
+        "peak": fa.peak.model_dump() if fa.peak is not None and hasattr(fa.peak, "model_dump") else None,
         "timelines": [asdict(t) for t in fa.timelines],
         "linking": asdict(fa.links),
         "categories": [asdict(c) for c in fa.categories],
@@ -130,9 +126,7 @@ def plot(fa: FullAnalysis, path: Path) -> None:
         ]
         left = 0.0
         for label, v, color in parts:
-            ax1.barh(
-                [0], [v / 1000], left=left / 1000, color=color, label=f"{label}: {v / 1000:.2f} ms"
-            )
+            ax1.barh([0], [v / 1000], left=left / 1000, color=color, label=f"{label}: {v / 1000:.2f} ms")
             left += v
         ax1.set_yticks([])
         ax1.set_xlabel("ms")
@@ -166,9 +160,7 @@ def plot(fa: FullAnalysis, path: Path) -> None:
     plt.close(fig)
 
 
-def write_artifacts(
-    fa: FullAnalysis, d: FullDiff | None, out_dir: Path, png: bool = True
-) -> list[str]:
+def write_artifacts(fa: FullAnalysis, d: FullDiff | None, out_dir: Path, png: bool = True) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     names: list[str] = []
 
@@ -181,10 +173,7 @@ def write_artifacts(
     _write_csv(
         put("kernels.csv"),
         ["name", "short", "category", "count", "time_us", "min_us", "max_us", "graph_replayed"],
-        [
-            [k.name, k.short, k.category, k.count, round(k.time_us, 3), k.min_us, k.max_us, k.graph]
-            for k in fa.kernels
-        ],
+        [[k.name, k.short, k.category, k.count, round(k.time_us, 3), k.min_us, k.max_us, k.graph] for k in fa.kernels],
     )
     total = fa.gpu_time_us or 1.0
     _write_csv(
@@ -203,9 +192,7 @@ def write_artifacts(
     )
     if fa.timelines:
         fields = list(asdict(fa.timelines[0]))
-        _write_csv(
-            put("timeline.csv"), fields, [[getattr(t, f) for f in fields] for t in fa.timelines]
-        )
+        _write_csv(put("timeline.csv"), fields, [[getattr(t, f) for f in fields] for t in fa.timelines])
     if d is not None:
         hdr = ["name", "base_us", "new_us", "delta_us", "delta_pct"]
         _write_csv(put("diff_totals.csv"), hdr, _diff_rows(d.totals))

@@ -94,11 +94,17 @@ def _scrub_kineto(src: Path, dst: Path) -> ScrubReport:
     return _report(src, dst, events, removed, removed_keys, redacted)
 
 
-def _report(src: Path, dst: Path, events: int, removed: list[str], removed_keys: int,
-            redacted: int) -> ScrubReport:
-    return ScrubReport(src=src.name, dst=dst.name, events=events, removed_blocks=removed,
-                       removed_keys=removed_keys, redacted_values=redacted,
-                       bytes_in=src.stat().st_size, bytes_out=dst.stat().st_size)
+def _report(src: Path, dst: Path, events: int, removed: list[str], removed_keys: int, redacted: int) -> ScrubReport:
+    return ScrubReport(
+        src=src.name,
+        dst=dst.name,
+        events=events,
+        removed_blocks=removed,
+        removed_keys=removed_keys,
+        redacted_values=redacted,
+        bytes_in=src.stat().st_size,
+        bytes_out=dst.stat().st_size,
+    )
 
 
 # rocprofv3 documents are scrubbed whole (as Python objects, about 7x the JSON): refused above
@@ -190,9 +196,7 @@ def scrub_trace(src: Path, dst: Path) -> ScrubReport:
     if not src.is_file():
         raise LoomError(ErrorCode.NOT_FOUND, f"trace not found: {src}")
     if src.resolve() == dst.resolve():
-        raise LoomError(
-            ErrorCode.BAD_INPUT, "scrub_trace needs a destination other than the source"
-        )
+        raise LoomError(ErrorCode.BAD_INPUT, "scrub_trace needs a destination other than the source")
     fmt = detect_format(src)
     if fmt == "nsys":
         return _scrub_nsys(src, dst)

@@ -96,18 +96,12 @@ def linking_summary(fa: FullAnalysis) -> LinkingSummary:
             why = ": the trace has no host API records"
         elif s.no_launch_before_host == s.no_launch:
             why = ": launched before the profiling window opened"
-        notes.append(
-            f"{unlinked_pct}% of GPU time ({s.no_launch} activities) has no launch record{why}"
-        )
+        notes.append(f"{unlinked_pct}% of GPU time ({s.no_launch} activities) has no launch record{why}")
     direct = max(0.0, s.with_launch_time_us - s.with_op_time_us - s.graph_time_us)
     if direct > 0.01 * tot:
         notes.append(f"{_pct(direct, tot)}% of GPU time was launched outside any profiled op")
     if s.launches_without_gpu > max(50, s.host_launches // 10):
-        cap = (
-            f" ({s.stream_capture_calls} stream-capture calls seen)"
-            if s.stream_capture_calls
-            else ""
-        )
+        cap = f" ({s.stream_capture_calls} stream-capture calls seen)" if s.stream_capture_calls else ""
         notes.append(
             f"{s.launches_without_gpu} kernel-launch calls have no GPU activity{cap}: captured "
             "into a graph or cut off by the window; that work is not in the timeline"
@@ -121,8 +115,7 @@ def linking_summary(fa: FullAnalysis) -> LinkingSummary:
         unlinked_pct=unlinked_pct,
         launches_without_gpu=s.launches_without_gpu,
         # Linking concerns GPU activity: a trace with none has nothing left unattributed.
-        partial=s.gpu_events > 0
-        and (op_pct < 95.0 or s.launches_without_gpu > max(50, s.host_launches // 10)),
+        partial=s.gpu_events > 0 and (op_pct < 95.0 or s.launches_without_gpu > max(50, s.host_launches // 10)),
         notes=notes,
     )
 
@@ -138,9 +131,7 @@ def metadata_note(fa: FullAnalysis) -> MetadataNote:
         + ("; some look like credentials" if secret else "")
         + "; values are never reported. Scrub the trace before sharing it."
     )
-    return MetadataNote(
-        found=True, blocks=sorted(blocks)[:5], keys=keys, secret_like=secret, note=note
-    )
+    return MetadataNote(found=True, blocks=sorted(blocks)[:5], keys=keys, secret_like=secret, note=note)
 
 
 def op_rows(fa: FullAnalysis, top_k: int) -> list[OpRow]:
@@ -230,11 +221,7 @@ def fit_budget(s: TraceAnalysis, budget: int = SUMMARY_BUDGET_BYTES) -> TraceAna
         lambda: len(s.linking.notes) > 1 and s.linking.notes.pop() is not None,
         lambda: len(s.notes) > 1 and s.notes.pop(0) is not None,  # keep the trim note
         lambda: len(s.findings) > 2 and s.findings.pop() is not None,
-        lambda: (
-            s.diff is not None
-            and len(s.diff.categories) > 4
-            and s.diff.categories.pop() is not None
-        ),
+        lambda: s.diff is not None and len(s.diff.categories) > 4 and s.diff.categories.pop() is not None,
         lambda: len(s.top_ops) > 1 and s.top_ops.pop() is not None,
         lambda: s.diff is not None and len(s.diff.ops) > 2 and s.diff.ops.pop() is not None,
         lambda: len(s.findings) > 1 and s.findings.pop() is not None,

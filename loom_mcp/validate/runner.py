@@ -54,8 +54,10 @@ def worker_argv(module: str) -> list[str]:
 # (loom_mcp.worker.handoff splits larger ones), so it bounds no problem's size.
 JOB_FILE_BYTES = JobSpec.model_fields["max_file_bytes"].default
 TRUSTED_DEPTH = warm.MAX_IDLE  # idle trusted workers kept on a GPU host
-SMALLER_PROBLEM = ("Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
-                   "task_globals (e.g. task_globals={\"batch_size\": 16}).")
+SMALLER_PROBLEM = (
+    "Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
+    'task_globals (e.g. task_globals={"batch_size": 16}).'
+)
 MORE_MEMORY = " Or raise job_memory_bytes in loom.toml where the machine has the memory."
 _GPU_FULL = re.compile(r"OutOfMemoryError: CUDA out of memory|HIP out of memory|hipErrorOutOfMemory")
 
@@ -63,8 +65,9 @@ _GPU_FULL = re.compile(r"OutOfMemoryError: CUDA out of memory|HIP out of memory|
 def out_of_memory(job: JobResult) -> bool:
     """The job ended for lack of memory: its own limit (memory_exceeded), or SIGKILL that we
     did not send (no timeout, no cancel, no disk quota): the kernel's OOM killer."""
-    return job.memory_exceeded or (job.signal == "SIGKILL" and not job.timed_out
-                                   and not job.cancelled and not job.disk_exceeded)
+    return job.memory_exceeded or (
+        job.signal == "SIGKILL" and not job.timed_out and not job.cancelled and not job.disk_exceeded
+    )
 
 
 def _job_failure(name: str, job: JobResult) -> str:
@@ -90,8 +93,7 @@ async def validate_candidate(
         if progress:
             await progress(message)
 
-    findings: list[Finding] = list(check_candidate_source(safefs.read_resolved_text(candidate),
-                                                          str(candidate)))
+    findings: list[Finding] = list(check_candidate_source(safefs.read_resolved_text(candidate), str(candidate)))
     job_dir.mkdir(parents=True, exist_ok=True)
     device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
@@ -104,52 +106,89 @@ async def validate_candidate(
     signals = job_dir / "signals"
     signals.mkdir(exist_ok=True)
     reference = await warm.take(
-        JobSpec(argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"), job_dir=job_dir / "ref",
-                env=env, visible_devices=visible, timeout_s=timeout_s, max_file_bytes=JOB_FILE_BYTES),
+        JobSpec(
+            argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
+            job_dir=job_dir / "ref",
+            env=env,
+            visible_devices=visible,
+            timeout_s=timeout_s,
+            max_file_bytes=JOB_FILE_BYTES,
+        ),
         # Three kept on a GPU host, shared with the benchmark's input preparation: each step
         # takes the oldest, so neither meets one started a step ago (with candidates in blank
         # workers a step is ~5 s, less than a start-up with its warm-up). On a CPU each
         # start-up takes a core from this job.
-        job_dir.parent / "warm", refill=keep_warm, depth=1 if device == "cpu" else TRUSTED_DEPTH)
+        job_dir.parent / "warm",
+        refill=keep_warm,
+        depth=1 if device == "cpu" else TRUSTED_DEPTH,
+    )
     # Written by the reference worker, so in its own directory (the only one it may write).
     cases_dir, cand_go = reference.job_dir / "cases", reference.job_dir / "cand.go"
     cand_spec = JobSpec(
-        argv=worker_argv("loom_mcp.worker.candidate"), job_dir=job_dir / "cand",
+        argv=worker_argv("loom_mcp.worker.candidate"),
+        job_dir=job_dir / "cand",
         env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache), **MODEL_JOB_ENV},
         # its root holds its own directory (the candidate imports siblings) and the inputs
         readable=[candidate.parent, reference.job_dir],
-        writable=[cand_cache], visible_devices=visible, timeout_s=timeout_s,
+        writable=[cand_cache],
+        visible_devices=visible,
+        timeout_s=timeout_s,
         max_file_bytes=JOB_FILE_BYTES,
-        request={"candidate": str(candidate), "cases_dir": str(cases_dir),
-                 "outputs_dir": str(outputs_dir), "device": device,
-                 "go_file": str(cand_go), "task_globals": task_globals or {}})
+        request={
+            "candidate": str(candidate),
+            "cases_dir": str(cases_dir),
+            "outputs_dir": str(outputs_dir),
+            "device": device,
+            "go_file": str(cand_go),
+            "task_globals": task_globals or {},
+        },
+    )
     # The limits the reference sizes the job against before it makes any input.
-    cand_memory = (policy.current().memory_bytes if cand_spec.max_memory_bytes is None
-                   else cand_spec.max_memory_bytes)
-    ref_request = {"mode": "validate", "task": str(task), "seeds": seeds, "shapes": shapes,
-                   "cases_dir": str(cases_dir), "device": device, "tolerances": tol_table,
-                   "outputs_dir": str(outputs_dir), "cand_go_file": str(cand_go),
-                   "go_file": str(signals / "ref.go"), "task_globals": task_globals or {},
-                   "memory_limit_bytes": reference.memory_bytes,
-                   "candidate_memory_limit_bytes": cand_memory,
-                   "disk_limit_bytes": policy.current().disk_bytes}
+    cand_memory = policy.current().memory_bytes if cand_spec.max_memory_bytes is None else cand_spec.max_memory_bytes
+    ref_request = {
+        "mode": "validate",
+        "task": str(task),
+        "seeds": seeds,
+        "shapes": shapes,
+        "cases_dir": str(cases_dir),
+        "device": device,
+        "tolerances": tol_table,
+        "outputs_dir": str(outputs_dir),
+        "cand_go_file": str(cand_go),
+        "go_file": str(signals / "ref.go"),
+        "task_globals": task_globals or {},
+        "memory_limit_bytes": reference.memory_bytes,
+        "candidate_memory_limit_bytes": cand_memory,
+        "disk_limit_bytes": policy.current().disk_bytes,
+    }
     cand_dir = [job_dir / "cand"]  # the candidate's own directory, once it has one
 
     async def run_candidate() -> JobResult:
         # A blank worker (torch imported, no path of this job in its root until now) where one
         # is idle: the candidate's start-up is off the critical path.
-        launched = await warm.start(cand_spec, job_dir.parent / "warm", base_env={**env, **MODEL_JOB_ENV},
-                                    blank=keep_warm and warm.blanks_for(device), refill=keep_warm)
+        launched = await warm.start(
+            cand_spec,
+            job_dir.parent / "warm",
+            base_env={**env, **MODEL_JOB_ENV},
+            blank=keep_warm and warm.blanks_for(device),
+            refill=keep_warm,
+        )
         cand_dir[0] = launched.job_dir
         return await supervise(launched)
 
-    jobs = StepJobs({
-        # Progress from the reference: it runs from the first moment to the last.
-        "ref": lambda: warm.run_warm(reference, ref_request, timeout_s=timeout_s, on_progress=progress,
-                                     secret_env={"LOOM_NONCE": str(secrets.randbits(62)),
-                                                 "LOOM_GO_SIGNER": token}),
-        "cand": run_candidate,
-    })
+    jobs = StepJobs(
+        {
+            # Progress from the reference: it runs from the first moment to the last.
+            "ref": lambda: warm.run_warm(
+                reference,
+                ref_request,
+                timeout_s=timeout_s,
+                on_progress=progress,
+                secret_env={"LOOM_NONCE": str(secrets.randbits(62)), "LOOM_GO_SIGNER": token},
+            ),
+            "cand": run_candidate,
+        }
+    )
 
     def reference_failure(ref: JobResult) -> LoomError:
         # The reference worker runs no candidate code: what it sends is an object (or nothing).
@@ -158,15 +197,23 @@ async def validate_candidate(
         if sent.get("error_code") == "RESOURCE_LIMIT":
             return LoomError(ErrorCode.RESOURCE_LIMIT, f"validation does not fit: {detail}")
         if out_of_memory(ref):
-            return LoomError(ErrorCode.RESOURCE_LIMIT, "the reference process ran out of memory "
-                             f"({_job_failure('reference', ref)}). {SMALLER_PROBLEM}{MORE_MEMORY}")
+            return LoomError(
+                ErrorCode.RESOURCE_LIMIT,
+                "the reference process ran out of memory "
+                f"({_job_failure('reference', ref)}). {SMALLER_PROBLEM}{MORE_MEMORY}",
+            )
         if ref.timed_out:
-            return LoomError(ErrorCode.TIMEOUT, f"the reference process timed out after "
-                             f"{ref.wall_s:.0f} s (job_timeout_s) computing and comparing every case "
-                             f"in float64. {SMALLER_PROBLEM} Or raise job_timeout_s in loom.toml.")
+            return LoomError(
+                ErrorCode.TIMEOUT,
+                f"the reference process timed out after "
+                f"{ref.wall_s:.0f} s (job_timeout_s) computing and comparing every case "
+                f"in float64. {SMALLER_PROBLEM} Or raise job_timeout_s in loom.toml.",
+            )
         if ref.disk_exceeded:
-            return LoomError(ErrorCode.RESOURCE_LIMIT, f"the reference process {ref.limit_exceeded}"
-                             f" writing the inputs. {SMALLER_PROBLEM}")
+            return LoomError(
+                ErrorCode.RESOURCE_LIMIT,
+                f"the reference process {ref.limit_exceeded} writing the inputs. {SMALLER_PROBLEM}",
+            )
         if "unknown shape" in detail:
             return LoomError(ErrorCode.BAD_INPUT, detail.splitlines()[0].removeprefix("ValueError: "))
         return LoomError(ErrorCode.BAD_INPUT, f"the task's reference failed: {detail}")
@@ -181,24 +228,36 @@ async def validate_candidate(
         # What the candidate worker's audit hook refused: from its result and from the lines it
         # wrote to stderr as each happened (either channel is enough; errors fail validation).
         reported = cand.result.get("guard") if isinstance(cand.result, dict) else None
-        findings.extend(Finding(**f) for f in guard_findings(
-            reported if isinstance(reported, list) else None, cand.stderr_tail))
-        log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s,
-                 cand.timeline(began))
+        findings.extend(
+            Finding(**f) for f in guard_findings(reported if isinstance(reported, list) else None, cand.stderr_tail)
+        )
+        log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s, cand.timeline(began))
         if cand_result is None and out_of_memory(cand) and not cand.memory_exceeded:
             # Killed by the kernel for the machine's memory, not for its own limit: the problem
             # is too big for this machine, whichever process the kernel picked.
-            raise LoomError(ErrorCode.RESOURCE_LIMIT, "the candidate process was killed with "
-                            "SIGKILL while it ran: the machine ran out of memory (the kernel's OOM "
-                            f"killer). {SMALLER_PROBLEM}{MORE_MEMORY}")
+            raise LoomError(
+                ErrorCode.RESOURCE_LIMIT,
+                "the candidate process was killed with "
+                "SIGKILL while it ran: the machine ran out of memory (the kernel's OOM "
+                f"killer). {SMALLER_PROBLEM}{MORE_MEMORY}",
+            )
         if cand_result is None:
-            findings.append(Finding(check="validation.crash", severity="error",
-                                    message=_job_failure("candidate", cand)))
+            findings.append(
+                Finding(check="validation.crash", severity="error", message=_job_failure("candidate", cand))
+            )
         elif cand_result.get("load_error"):
-            findings.append(Finding(check="validation.import", severity="error",
-                                    message="the candidate failed to import: " + cand_result["load_error"]))
-        if (cand_result is None or cand_result.get("load_error")
-                or not safefs.is_file(cand_dir[0], "outputs/manifest.json")):
+            findings.append(
+                Finding(
+                    check="validation.import",
+                    severity="error",
+                    message="the candidate failed to import: " + cand_result["load_error"],
+                )
+            )
+        if (
+            cand_result is None
+            or cand_result.get("load_error")
+            or not safefs.is_file(cand_dir[0], "outputs/manifest.json")
+        ):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
         publish_go(str(signals / "ref.go"), {}, token)
@@ -231,18 +290,24 @@ async def validate_candidate(
     if isinstance(outcome["value"], ValidationEvidence):
         return outcome["value"]
     ref, cand_result = outcome["value"]
-    log.info("validation %s: reference done %.2f s after it was given the job (%s)", validation_id,
-             ref.wall_s, ref.timeline(began))
+    log.info(
+        "validation %s: reference done %.2f s after it was given the job (%s)",
+        validation_id,
+        ref.wall_s,
+        ref.timeline(began),
+    )
     cases = build_cases(ref.result["planned"], cand_result["cases"], ref.result["cases"], findings)
     errors = [str(run.get("error") or "") for run in cand_result["cases"] if isinstance(run, dict)]
     if errors and all(_GPU_FULL.search(e) for e in errors if e) and any(errors):
         # The candidate shares the GPU with the reference's process: a problem this big does not
         # tell us anything about the candidate, and an honest copy of the reference fails alike.
         first = next(e for e in errors if e).splitlines()[0]
-        raise LoomError(ErrorCode.RESOURCE_LIMIT, "the GPU ran out of memory while the candidate "
-                        f"ran its cases beside the reference ({first[:300]}). {SMALLER_PROBLEM}")
-    passed = bool(cases) and all(c.passed for c in cases) and not any(
-        f.severity == "error" for f in findings)
+        raise LoomError(
+            ErrorCode.RESOURCE_LIMIT,
+            "the GPU ran out of memory while the candidate "
+            f"ran its cases beside the reference ({first[:300]}). {SMALLER_PROBLEM}",
+        )
+    passed = bool(cases) and all(c.passed for c in cases) and not any(f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
 
 
@@ -290,14 +355,17 @@ def _threads_message(run: dict) -> str:
             text += f", running {str(t.get('running'))[:120]}"
         described.append(text)
     which = "; ".join(described) or f"{run['threads_added']} thread(s)"
-    return (f"forward left a thread of the candidate's running after it returned ({which}). Work "
-            "still running can change outputs after they are checked and races with the next "
-            "call: finish or join it before returning (threads that torch.compile and other "
-            "libraries start are not counted)")
+    return (
+        f"forward left a thread of the candidate's running after it returned ({which}). Work "
+        "still running can change outputs after they are checked and races with the next "
+        "call: finish or join it before returning (threads that torch.compile and other "
+        "libraries start are not counted)"
+    )
 
 
-def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
-                findings: list[Finding]) -> list[ValidationCase]:
+def build_cases(
+    planned: list[dict], ran: list[dict], compared: list[dict], findings: list[Finding]
+) -> list[ValidationCase]:
     """One ValidationCase per (case, output); behaviour checks become named findings once each."""
     cases: list[ValidationCase] = []
     seen: set[str] = set()
@@ -316,41 +384,62 @@ def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
             once(check, f"{label}: {run['error']}")
         if run["aliases_input"]:
             problems.append("an output aliases an input")
-            once("validation.aliasing", f"{label}: an output shares storage with an input; "
-                 "return a new tensor")
+            once("validation.aliasing", f"{label}: an output shares storage with an input; return a new tensor")
         if not run["inputs_unchanged"]:
             problems.append("inputs were modified")
             once("validation.input_mutation", f"{label}: forward modified its inputs in place")
         if not run["deterministic"]:
             problems.append("rerun not bitwise identical")
-            once("validation.determinism", f"{label}: a second run on the same inputs gave different "
-                 "bits (uninitialised memory, a race, or atomics)")
+            once(
+                "validation.determinism",
+                f"{label}: a second run on the same inputs gave different "
+                "bits (uninitialised memory, a race, or atomics)",
+            )
         if run["late_write"]:
             problems.append("outputs changed after return")
-            once("validation.late_write", f"{label}: outputs changed after forward returned (work on "
-                 "another stream or thread)")
+            once(
+                "validation.late_write",
+                f"{label}: outputs changed after forward returned (work on another stream or thread)",
+            )
         if run["threads_added"] > 0:
             problems.append("left threads running")
             once("validation.threads", f"{label}: {_threads_message(run)}")
         if not comp["inputs_reproducible"]:
-            once("task.nondeterministic_inputs", f"{label}: the task's get_inputs is not reproducible "
-                 "from the seed; fix the task (use torch's global RNG)")
+            once(
+                "task.nondeterministic_inputs",
+                f"{label}: the task's get_inputs is not reproducible "
+                "from the seed; fix the task (use torch's global RNG)",
+            )
             problems.append("task inputs not reproducible")
         if comp.get("error"):
             problems.append(comp["error"].splitlines()[0])
             once("validation.outputs", f"{label}: {comp['error']}")
         if comp.get("degenerate") and "validation.degenerate" not in seen:
             seen.add("validation.degenerate")
-            findings.append(Finding(check="validation.degenerate", severity="warning",
-                                    message=f"{label}: the reference output is (nearly) constant; a "
-                                    "constant could pass. Strengthen the task's inputs"))
+            findings.append(
+                Finding(
+                    check="validation.degenerate",
+                    severity="warning",
+                    message=f"{label}: the reference output is (nearly) constant; a "
+                    "constant could pass. Strengthen the task's inputs",
+                )
+            )
         outputs = comp.get("outputs") or []
         if not outputs:
-            cases.append(ValidationCase(
-                shape=plan["shape"]["name"], seed=plan["seed"], input_kind=plan["kind"], atol=0, rtol=0,
-                passed=False, output_type_ok=run["output_type_ok"],
-                inputs_unchanged=run["inputs_unchanged"], deterministic=run["deterministic"],
-                message="; ".join(problems) or "no output to compare"))
+            cases.append(
+                ValidationCase(
+                    shape=plan["shape"]["name"],
+                    seed=plan["seed"],
+                    input_kind=plan["kind"],
+                    atol=0,
+                    rtol=0,
+                    passed=False,
+                    output_type_ok=run["output_type_ok"],
+                    inputs_unchanged=run["inputs_unchanged"],
+                    deterministic=run["deterministic"],
+                    message="; ".join(problems) or "no output to compare",
+                )
+            )
             continue
         for out in outputs:
             ok = out["passed"] and not problems
@@ -362,15 +451,30 @@ def build_cases(planned: list[dict], ran: list[dict], compared: list[dict],
                 once("validation.nan_inf", f"{label}: {out['message']}")
             elif not out["passed"]:
                 once("validation.mismatch", f"{label}: {out['message']}")
-            cases.append(ValidationCase(
-                shape=plan["shape"]["name"], seed=plan["seed"], input_kind=plan["kind"],
-                dtype=out["dtype"], max_abs_err=out["max_abs_err"], max_rel_err=out["max_rel_err"],
-                mismatched=out["mismatched"], atol=out["atol"], rtol=out["rtol"], passed=ok,
-                atol_effective=out.get("atol_effective"), norm_rel_err=out.get("norm_rel_err"),
-                norm_rel_bound=out.get("norm_rel_bound"), ref_norm_rel_err=out.get("ref_norm_rel_err"),
-                ref_max_abs_err=out.get("ref_max_abs_err"), ref_rms=out.get("ref_rms"),
-                shape_match=out["shape_match"], nan_inf_parity=out["nan_inf_parity"],
-                output_type_ok=run["output_type_ok"] and not run["aliases_input"],
-                inputs_unchanged=run["inputs_unchanged"], deterministic=run["deterministic"],
-                message="; ".join(filter(None, [out["message"], *problems])) or None))
+            cases.append(
+                ValidationCase(
+                    shape=plan["shape"]["name"],
+                    seed=plan["seed"],
+                    input_kind=plan["kind"],
+                    dtype=out["dtype"],
+                    max_abs_err=out["max_abs_err"],
+                    max_rel_err=out["max_rel_err"],
+                    mismatched=out["mismatched"],
+                    atol=out["atol"],
+                    rtol=out["rtol"],
+                    passed=ok,
+                    atol_effective=out.get("atol_effective"),
+                    norm_rel_err=out.get("norm_rel_err"),
+                    norm_rel_bound=out.get("norm_rel_bound"),
+                    ref_norm_rel_err=out.get("ref_norm_rel_err"),
+                    ref_max_abs_err=out.get("ref_max_abs_err"),
+                    ref_rms=out.get("ref_rms"),
+                    shape_match=out["shape_match"],
+                    nan_inf_parity=out["nan_inf_parity"],
+                    output_type_ok=run["output_type_ok"] and not run["aliases_input"],
+                    inputs_unchanged=run["inputs_unchanged"],
+                    deterministic=run["deterministic"],
+                    message="; ".join(filter(None, [out["message"], *problems])) or None,
+                )
+            )
     return cases

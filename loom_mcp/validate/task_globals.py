@@ -18,8 +18,9 @@ def assigned_globals(tree: ast.Module) -> list[str]:
     """Names a task binds at module level by plain assignment (`batch_size = 16`), in order."""
     names: dict[str, None] = {}
     for stmt in tree.body:
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
-            [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+        targets = (
+            stmt.targets if isinstance(stmt, ast.Assign) else ([stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+        )
         for target in targets:
             for node in ast.walk(target):
                 if isinstance(node, ast.Name):
@@ -27,8 +28,7 @@ def assigned_globals(tree: ast.Module) -> list[str]:
     return list(names)
 
 
-def check_task_globals(source: str, path: str, overrides: dict[str, Any] | None
-                       ) -> dict[str, TaskGlobalValue]:
+def check_task_globals(source: str, path: str, overrides: dict[str, Any] | None) -> dict[str, TaskGlobalValue]:
     """`task_globals` checked against the task: only names it assigns at module level, each a
     number, string, bool or list of numbers. The workers set them after importing the task and
     before get_init_inputs()/get_inputs() (KernelBench's read `batch_size`, `dim`, ... there)."""
@@ -37,17 +37,21 @@ def check_task_globals(source: str, path: str, overrides: dict[str, Any] | None
     known = assigned_globals(_parse(source, path))
     unknown = sorted(set(overrides) - set(known))
     if unknown:
-        raise LoomError(ErrorCode.BAD_INPUT,
-                        f"task_globals names {', '.join(unknown)}, which {path} does not assign at "
-                        f"module level; it assigns: {', '.join(known) or 'nothing'}")
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"task_globals names {', '.join(unknown)}, which {path} does not assign at "
+            f"module level; it assigns: {', '.join(known) or 'nothing'}",
+        )
     checked: dict[str, TaskGlobalValue] = {}
     for name, value in overrides.items():
         numbers = isinstance(value, list) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        )
         if not (isinstance(value, (bool, int, float, str)) or numbers):
-            raise LoomError(ErrorCode.BAD_INPUT,
-                            f"task_globals[{name!r}] = {value!r}: a value must be a number, a string, "
-                            "a bool or a list of numbers")
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"task_globals[{name!r}] = {value!r}: a value must be a number, a string, a bool or a list of numbers",
+            )
         checked[name] = value
     return dict(sorted(checked.items()))
 

@@ -178,9 +178,7 @@ def _method(cls: ast.ClassDef, name: str) -> Signature | None:
     return None
 
 
-def _function(
-    path: str, top: dict[str, ast.stmt], name: str, *, required: bool
-) -> Signature | None:
+def _function(path: str, top: dict[str, ast.stmt], name: str, *, required: bool) -> Signature | None:
     stmt = top.get(name)
     if stmt is None:
         if required:
@@ -223,9 +221,7 @@ def _read_shapes(path: str, stmt: ast.stmt, consts: dict[str, Any]) -> list[Shap
         try:
             item = _literal(elt, consts)
         except _NotLiteral as exc:
-            raise _fail(
-                path, getattr(exc.node, "lineno", line), f"SHAPES[{i}] is not a literal: {exc.why}"
-            ) from exc
+            raise _fail(path, getattr(exc.node, "lineno", line), f"SHAPES[{i}] is not a literal: {exc.why}") from exc
         if not isinstance(item, dict):
             raise _fail(path, line, f"SHAPES[{i}] must be a dict of keyword arguments")
         for key, val in item.items():
@@ -241,9 +237,7 @@ def _read_shapes(path: str, stmt: ast.stmt, consts: dict[str, Any]) -> list[Shap
         if not isinstance(name, str) or not name.strip():
             raise _fail(path, line, f"SHAPES[{i}]['name'] must be a non-empty string")
         if name in seen:
-            raise _fail(
-                path, line, f"SHAPES[{i}] repeats the name {name!r} of SHAPES[{seen[name]}]"
-            )
+            raise _fail(path, line, f"SHAPES[{i}] repeats the name {name!r} of SHAPES[{seen[name]}]")
         seen[name] = i
         shapes.append(ShapeSpec(name=name, params=item, line=line))
     return shapes
@@ -270,9 +264,7 @@ def _read_tolerance(path: str, stmt: ast.stmt, consts: dict[str, Any]) -> dict[s
             f"{exc.why} (use dtype names as strings, not torch.float32)",
         ) from exc
     if not isinstance(table, dict) or not table:
-        raise _fail(
-            path, line, "TOLERANCE must be a non-empty dict {dtype: {'atol': ..., 'rtol': ...}}"
-        )
+        raise _fail(path, line, "TOLERANCE must be a non-empty dict {dtype: {'atol': ..., 'rtol': ...}}")
     out: dict[str, Tolerance] = {}
     for key, tol in table.items():
         dtype = canonical_dtype(key) if isinstance(key, str) else None
@@ -297,9 +289,7 @@ def _mentioned_dtypes(tree: ast.Module) -> list[str]:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id == "torch":
                 name = node.attr
-        elif (
-            isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 24
-        ):
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 24:
             name = node.value
         if name:
             dtype = canonical_dtype(name)
@@ -432,9 +422,7 @@ def parse_candidate_source(source: str, path: str = "candidate.py") -> Candidate
             "the same constructor and forward() as the task's Model",
         )
     if not isinstance(cls, ast.ClassDef):
-        raise _fail(
-            path, cls.lineno, "`ModelNew` must be a class (class ModelNew(torch.nn.Module))"
-        )
+        raise _fail(path, cls.lineno, "`ModelNew` must be a class (class ModelNew(torch.nn.Module))")
     return CandidateSpec(
         path=path,
         model_new_line=cls.lineno,
@@ -470,9 +458,7 @@ def check_compatible(task: TaskSpec, candidate: CandidateSpec) -> None:
             )
 
 
-def effective_tolerances(
-    task: TaskSpec | None = None, config: GateConfig | None = None
-) -> dict[str, Tolerance]:
+def effective_tolerances(task: TaskSpec | None = None, config: GateConfig | None = None) -> dict[str, Tolerance]:
     """The gate's table (config or defaults) overlaid by the task's TOLERANCE."""
     table = dict((config or GateConfig()).tolerances)
     if task is not None and task.tolerance:

@@ -41,8 +41,7 @@ from loom_mcp.worker.protocol import exit_now, read_request, send_result
 _GUARDED = {
     "time.perf_counter": (lambda: time.perf_counter, time.perf_counter),
     "torch.cuda.Event": (lambda: torch.cuda.Event, torch.cuda.Event),
-    "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time,
-                                      torch.cuda.Event.elapsed_time),
+    "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time, torch.cuda.Event.elapsed_time),
     "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, torch.cuda.synchronize),
 }
 _perf_counter = time.perf_counter
@@ -62,8 +61,8 @@ class Arm:
             # hundreds of times slower than the other (seen on a 2-core CI machine).
             torch.set_num_threads(1)
         self.model_cls = under_test.load_model_class(
-            request["module"], f"loom_bench_{request['role']}", request["class_name"],
-            request.get("task_globals"))
+            request["module"], f"loom_bench_{request['role']}", request["class_name"], request.get("task_globals")
+        )
         self.cases_file = request["cases_file"]
         self.shapes: list[dict] = []
         self.graph_below_s = float(request.get("graph_below_s") or 0.0)
@@ -200,8 +199,7 @@ class Arm:
         from torch.profiler import ProfilerActivity, profile, schedule
 
         began = time.perf_counter()
-        self.profiler = profile(activities=[ProfilerActivity.CUDA],
-                                schedule=schedule(wait=0, warmup=1, active=1))
+        self.profiler = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=1))
         self.profiler.__enter__()
         return {"seconds": {"start": time.perf_counter() - began}}
 
@@ -253,8 +251,8 @@ def main() -> None:
         from loom_mcp.worker import guard as guard_module
 
         violations = guard_module.install(  # type: ignore[assignment]
-            [request["module"]],
-            watch=[sys.modules[__name__], under_test, guard_module]).violations
+            [request["module"]], watch=[sys.modules[__name__], under_test, guard_module]
+        ).violations
     try:
         arm = Arm(request)
     except Exception as exc:
@@ -287,8 +285,12 @@ def main() -> None:
                 break
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            reply({"error": f"{type(exc).__name__}: {str(exc)[:300]} (at {Path(where.filename).name}:"
-                            f"{where.lineno} in {where.name})"})
+            reply(
+                {
+                    "error": f"{type(exc).__name__}: {str(exc)[:300]} (at {Path(where.filename).name}:"
+                    f"{where.lineno} in {where.name})"
+                }
+            )
     send_result({"calls": calls, "guard": violations()})
 
 

@@ -68,26 +68,42 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return _torch_equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                        b.detach().contiguous().reshape(-1).view(torch.uint8))
+    return _torch_equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def _unchanged(inputs: list, pristine: list) -> bool:
-    return all(_same_bits(x, p) if isinstance(x, torch.Tensor) else repr(x) == repr(p)
-               for x, p in zip(inputs, pristine, strict=True))
+    return all(
+        _same_bits(x, p) if isinstance(x, torch.Tensor) else repr(x) == repr(p)
+        for x, p in zip(inputs, pristine, strict=True)
+    )
 
 
 def _clone_inputs(inputs: list) -> list:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-def run_case(model_cls, case: dict, device: torch.device, candidate_file: str,
-             left_running=None, threads_before: set[int] | None = None) -> tuple[dict, list | None]:
+def run_case(
+    model_cls,
+    case: dict,
+    device: torch.device,
+    candidate_file: str,
+    left_running=None,
+    threads_before: set[int] | None = None,
+) -> tuple[dict, list | None]:
     """`left_running(threads_before)` (from harness.track_threads) lists the threads the
     candidate left running; `threads_before`: those running before the candidate was imported."""
-    report: dict[str, Any] = {"error": None, "output_type_ok": True, "aliases_input": False,
-                              "inputs_unchanged": True, "deterministic": True, "late_write": False,
-                              "threads_added": 0, "threads": []}
+    report: dict[str, Any] = {
+        "error": None,
+        "output_type_ok": True,
+        "aliases_input": False,
+        "inputs_unchanged": True,
+        "deterministic": True,
+        "late_write": False,
+        "threads_added": 0,
+        "threads": [],
+    }
     try:
         model = build_model(model_cls, case, device)
         inputs = to_device(case["inputs"], device)
@@ -109,15 +125,18 @@ def run_case(model_cls, case: dict, device: torch.device, candidate_file: str,
         for o in first:
             if type(o) is not torch.Tensor:
                 report["output_type_ok"] = False
-                report["error"] = (f"forward returned {type(o).__module__}.{type(o).__qualname__}, "
-                                   "not a plain torch.Tensor")
+                report["error"] = (
+                    f"forward returned {type(o).__module__}.{type(o).__qualname__}, not a plain torch.Tensor"
+                )
                 return report, None
             if _storage_ptr(o) in input_ptrs:
                 report["aliases_input"] = True
         # Each s is a clone (the loop above returned on anything but a plain tensor); no call
         # to a typing helper here, where candidate code has run.
-        report["late_write"] = any(not _same_bits(s, o)  # type: ignore[arg-type]
-                                   for s, o in zip(snapshot, first))
+        report["late_write"] = any(
+            not _same_bits(s, o)  # type: ignore[arg-type]
+            for s, o in zip(snapshot, first)
+        )
         report["inputs_unchanged"] = _unchanged(inputs, pristine)
 
         with torch.no_grad():
@@ -143,17 +162,16 @@ def main() -> None:
     # through a local variable (candidate code reaches module globals through sys.modules, not
     # this function's locals). See loom_mcp.worker.guard.
     violations = guard_module.install(
-        [request["candidate"]],
-        watch=[sys.modules[__name__], harness, handoff, protocol, under_test,
-               guard_module]).violations
+        [request["candidate"]], watch=[sys.modules[__name__], harness, handoff, protocol, under_test, guard_module]
+    ).violations
     send = send_result
     try:
-        model_cls = under_test.load_model_class(request["candidate"], "loom_candidate", "ModelNew",
-                                                request.get("task_globals"))
+        model_cls = under_test.load_model_class(
+            request["candidate"], "loom_candidate", "ModelNew", request.get("task_globals")
+        )
         mark("candidate_imported")
     except Exception as exc:
-        send({"load_error": user_traceback(exc, request["candidate"]), "cases": [],
-              "guard": violations()})
+        send({"load_error": user_traceback(exc, request["candidate"]), "cases": [], "guard": violations()})
         return
     if request.get("go_file"):
         wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
@@ -165,8 +183,7 @@ def main() -> None:
     reports, outputs = [], []
     for raw_case in cases.tree:
         case = cases.decode(raw_case)
-        report, out = run_case(model_cls, case, device, request["candidate"], left_running,
-                               threads_before)
+        report, out = run_case(model_cls, case, device, request["candidate"], left_running, threads_before)
         reports.append(report)
         outputs.append(writer.encode(out))
         del case, out

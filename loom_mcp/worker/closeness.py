@@ -67,8 +67,12 @@ def reference_stats(native: list, exact: list | None) -> list[dict[str, Any] | N
         finite = torch.isfinite(target)
         vals = target[finite]
         norm = _norm(vals)
-        entry: dict[str, Any] = {"ref_norm": norm, "ref_rms": norm / max(vals.numel(), 1) ** 0.5,
-                                 "ref_norm_rel_err": None, "ref_max_abs_err": None}
+        entry: dict[str, Any] = {
+            "ref_norm": norm,
+            "ref_rms": norm / max(vals.numel(), 1) ** 0.5,
+            "ref_norm_rel_err": None,
+            "ref_max_abs_err": None,
+        }
         if ref is not None and tuple(value.shape) == tuple(target.shape):
             own = value.to(target.device, torch.float64)
             both = finite & torch.isfinite(own)
@@ -79,8 +83,9 @@ def reference_stats(native: list, exact: list | None) -> list[dict[str, Any] | N
     return stats
 
 
-def scale_rules(dtype: str, tolerance: dict[str, float], stats: dict[str, Any] | None
-                ) -> tuple[float, float | None, str]:
+def scale_rules(
+    dtype: str, tolerance: dict[str, float], stats: dict[str, Any] | None
+) -> tuple[float, float | None, str]:
     """(atol to use, normwise bound or None, how both were derived) for one float output."""
     atol, rtol = tolerance["atol"], tolerance["rtol"]
     if not stats or not stats["ref_norm"] or stats["ref_norm"] == float("inf"):
@@ -93,20 +98,39 @@ def scale_rules(dtype: str, tolerance: dict[str, float], stats: dict[str, Any] |
     if stats["ref_norm_rel_err"] is None:
         how = f"rtol {floor:g}; no float64 run to measure the reference's own error"
     else:
-        how = (f"the larger of rtol {floor:g} and {REF_ERROR_FACTOR:g} x the reference's own "
-               f"{dtype} error {own_norm:.3g}")
+        how = (
+            f"the larger of rtol {floor:g} and {REF_ERROR_FACTOR:g} x the reference's own {dtype} error {own_norm:.3g}"
+        )
     return atol_eff, bound, f"({how}); reference RMS {stats['ref_rms']:.3g}"
 
 
-def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | None,
-                tolerance: dict[str, float], stats: dict[str, Any] | None = None) -> dict[str, Any]:
+def compare_one(
+    out: torch.Tensor,
+    native: torch.Tensor,
+    exact: torch.Tensor | None,
+    tolerance: dict[str, float],
+    stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     dtype = canonical_dtype(native.dtype)
-    result: dict[str, Any] = {"dtype": dtype, "shape_match": True,
-                              "dtype_match": True, "nan_inf_parity": True, "max_abs_err": None,
-                              "max_rel_err": None, "mismatched": None, "message": None,
-                              "atol": tolerance["atol"], "rtol": tolerance["rtol"], "passed": False,
-                              "atol_effective": None, "norm_rel_err": None, "norm_rel_bound": None,
-                              "ref_norm_rel_err": None, "ref_max_abs_err": None, "ref_rms": None}
+    result: dict[str, Any] = {
+        "dtype": dtype,
+        "shape_match": True,
+        "dtype_match": True,
+        "nan_inf_parity": True,
+        "max_abs_err": None,
+        "max_rel_err": None,
+        "mismatched": None,
+        "message": None,
+        "atol": tolerance["atol"],
+        "rtol": tolerance["rtol"],
+        "passed": False,
+        "atol_effective": None,
+        "norm_rel_err": None,
+        "norm_rel_bound": None,
+        "ref_norm_rel_err": None,
+        "ref_max_abs_err": None,
+        "ref_rms": None,
+    }
     if tuple(out.shape) != tuple(native.shape):
         result["shape_match"] = False
         result["message"] = f"output shape {tuple(out.shape)} != reference {tuple(native.shape)}"
@@ -118,20 +142,26 @@ def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | N
     scaled = native.is_floating_point()
     if scaled and stats is None:
         stats = reference_stats([native], [exact] if exact is not None else None)[0]
-    atol, bound, how = (scale_rules(dtype, tolerance, stats) if scaled
-                        else (tolerance["atol"], None, ""))
+    atol, bound, how = scale_rules(dtype, tolerance, stats) if scaled else (tolerance["atol"], None, "")
     if scaled and stats:
-        result.update(atol_effective=atol, norm_rel_bound=bound, ref_rms=stats["ref_rms"],
-                      ref_norm_rel_err=stats["ref_norm_rel_err"],
-                      ref_max_abs_err=stats["ref_max_abs_err"])
+        result.update(
+            atol_effective=atol,
+            norm_rel_bound=bound,
+            ref_rms=stats["ref_rms"],
+            ref_norm_rel_err=stats["ref_norm_rel_err"],
+            ref_max_abs_err=stats["ref_max_abs_err"],
+        )
     # On the reference's device: on a GPU the float64 error statistics of 30 cases of 16M elements
     # are milliseconds; on the host they were most of run_validation's wall time.
     target = (exact if exact is not None else native).to(torch.float64)
     got = out.to(target.device, torch.float64)
     ref_nan, got_nan = torch.isnan(target), torch.isnan(got)
     inf = float("inf")
-    parity = (torch.equal(ref_nan, got_nan) and torch.equal(target == inf, got == inf)
-              and torch.equal(target == -inf, got == -inf))
+    parity = (
+        torch.equal(ref_nan, got_nan)
+        and torch.equal(target == inf, got == inf)
+        and torch.equal(target == -inf, got == -inf)
+    )
     result["nan_inf_parity"] = bool(parity)
     finite = torch.isfinite(target) & torch.isfinite(got)
     signed = (got - target)[finite]
@@ -147,27 +177,34 @@ def compare_one(out: torch.Tensor, native: torch.Tensor, exact: torch.Tensor | N
         result["mismatched"] = 0
     if bound is not None and stats and parity:  # with NaN/Inf out of place it means nothing
         result["norm_rel_err"] = _norm(signed) / stats["ref_norm"]
-    norm_bad = bound is not None and result["norm_rel_err"] is not None and \
-        not result["norm_rel_err"] <= bound
+    norm_bad = bound is not None and result["norm_rel_err"] is not None and not result["norm_rel_err"] <= bound
     problems = []
     if norm_bad:
-        problems.append(f"normwise relative error ||out - ref|| / ||ref|| = "
-                        f"{result['norm_rel_err']:.3g} exceeds its bound {bound:.3g} {how}")
+        problems.append(
+            f"normwise relative error ||out - ref|| / ||ref|| = "
+            f"{result['norm_rel_err']:.3g} exceeds its bound {bound:.3g} {how}"
+        )
     if result["mismatched"]:
         if atol < tolerance["atol"]:
             why = f" (capped from {tolerance['atol']:g} at the reference's scale)"
         elif atol > tolerance["atol"]:
-            why = (f" (widened from {tolerance['atol']:g} to {REF_ERROR_FACTOR:g} x the "
-                   f"reference's own {dtype} max abs error {result['ref_max_abs_err']:.3g})")
+            why = (
+                f" (widened from {tolerance['atol']:g} to {REF_ERROR_FACTOR:g} x the "
+                f"reference's own {dtype} max abs error {result['ref_max_abs_err']:.3g})"
+            )
         else:
             why = ""
-        problems.append(f"{result['mismatched']} of {got.numel()} elements outside "
-                        f"atol={atol:.3g}{why} rtol={tolerance['rtol']:g} "
-                        f"(max abs err {result['max_abs_err']:.3g})")
+        problems.append(
+            f"{result['mismatched']} of {got.numel()} elements outside "
+            f"atol={atol:.3g}{why} rtol={tolerance['rtol']:g} "
+            f"(max abs err {result['max_abs_err']:.3g})"
+        )
     if not result["nan_inf_parity"]:
-        result["message"] = (f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN and "
-                             f"{int(torch.isinf(target).sum())} Inf, candidate {int(got_nan.sum())} "
-                             f"NaN and {int(torch.isinf(got).sum())} Inf")
+        result["message"] = (
+            f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN and "
+            f"{int(torch.isinf(target).sum())} Inf, candidate {int(got_nan.sum())} "
+            f"NaN and {int(torch.isinf(got).sum())} Inf"
+        )
     elif problems:
         result["message"] = "; ".join(problems)
     result["passed"] = result["nan_inf_parity"] and result["mismatched"] == 0 and not norm_bad

@@ -19,9 +19,23 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the CUDA reducers)
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def dtype_named(name: str) -> torch.dtype:
@@ -30,8 +44,7 @@ def dtype_named(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def file_tensor(path: Path, dtype: torch.dtype, shape: list[int], writable: bool,
-                create: bool = False) -> torch.Tensor:
+def file_tensor(path: Path, dtype: torch.dtype, shape: list[int], writable: bool, create: bool = False) -> torch.Tensor:
     """A tensor over a file's bytes (MAP_SHARED): what one process writes the other reads."""
     numel = int(np.prod(shape)) if shape else 1
     nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
@@ -58,8 +71,9 @@ def share_inputs(sets: list[list], directory: Path | None) -> Any:
                 mapped = file_tensor(path, value.dtype, list(value.shape), True, create=True)
                 mapped.copy_(value)
                 values[j] = mapped  # the timer perturbs the mapping itself from now on
-                row.append({"file": str(path), "dtype": str(value.dtype).removeprefix("torch."),
-                            "shape": list(value.shape)})
+                row.append(
+                    {"file": str(path), "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
+                )
             else:
                 row.append({"value": value})
         described.append(row)
@@ -70,12 +84,20 @@ def open_inputs(description: dict) -> list[list]:
     """The arm's view of the timer's input sets."""
     if "pickle" in description:
         return pickle.loads(bytes.fromhex(description["pickle"]))  # from the trusted timer
-    return [[file_tensor(Path(d["file"]), dtype_named(d["dtype"]), list(d["shape"]), False)
-             if "file" in d else d["value"] for d in row] for row in description["files"]]
+    return [
+        [
+            file_tensor(Path(d["file"]), dtype_named(d["dtype"]), list(d["shape"]), False)
+            if "file" in d
+            else d["value"]
+            for d in row
+        ]
+        for row in description["files"]
+    ]
 
 
-def output_slots(specs: list[dict], directory: Path | None, device: torch.device,
-                 max_bytes: int) -> tuple[list[torch.Tensor], Any]:
+def output_slots(
+    specs: list[dict], directory: Path | None, device: torch.device, max_bytes: int
+) -> tuple[list[torch.Tensor], Any]:
     """Byte buffers for one arm's outputs, owned by the timer, and their description for the
     arm. `specs` (from the arm) is checked: it only sizes buffers."""
     slots, described, total = [], [], 0
@@ -99,14 +121,18 @@ def open_slots(description: dict) -> list[torch.Tensor]:
     """The arm's writable view of its output slots."""
     if "pickle" in description:
         return pickle.loads(bytes.fromhex(description["pickle"]))
-    return [file_tensor(Path(path), torch.uint8, [Path(path).stat().st_size], True)
-            for path in description["files"]]
+    return [file_tensor(Path(path), torch.uint8, [Path(path).stat().st_size], True) for path in description["files"]]
 
 
 def output_specs(outputs: list) -> list[dict]:
-    return [{"nbytes": out.numel() * out.element_size(),
-             "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape)}
-            for out in outputs]
+    return [
+        {
+            "nbytes": out.numel() * out.element_size(),
+            "dtype": str(out.dtype).removeprefix("torch."),
+            "shape": list(out.shape),
+        }
+        for out in outputs
+    ]
 
 
 def put(slot: torch.Tensor, out: torch.Tensor) -> None:

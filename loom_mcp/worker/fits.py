@@ -20,8 +20,9 @@ class ResourceLimit(Exception):
 
 
 def _float64_bytes(values: list) -> int:
-    return sum(v.numel() * (8 if v.is_floating_point() else v.element_size())
-               for v in values if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * (8 if v.is_floating_point() else v.element_size()) for v in values if isinstance(v, torch.Tensor)
+    )
 
 
 def case_sizes(task, shape: dict) -> dict[str, int] | None:
@@ -76,14 +77,22 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
     one_ref = max(s["inputs_f64"] + s["outputs"] + 6 * s["outputs_f64"] for s in sized)
     one_cand = max(2 * s["inputs"] + 3 * s["outputs"] for s in sized)
     biggest = max(per_shape.items(), key=lambda kv: kv[1]["inputs"])
-    estimate = {"cases": len(cases), "kept_input_bytes": kept, "reference_bytes": kept + one_ref,
-                "candidate_bytes": one_cand}
-    what = (f"{len(cases)} case(s); shape {biggest[0]!r} has {_gib(biggest[1]['inputs'])} of inputs "
-            f"and {_gib(biggest[1]['outputs'])} of outputs")
-    advice = ("Validate a smaller problem: pass shapes=[...] to check fewer shapes, or shrink the "
-              "task's sizes with task_globals (e.g. task_globals={\"batch_size\": 16}) or its "
-              "SHAPES; or run where there is more memory (job_memory_bytes in loom.toml limits each "
-              "job).")
+    estimate = {
+        "cases": len(cases),
+        "kept_input_bytes": kept,
+        "reference_bytes": kept + one_ref,
+        "candidate_bytes": one_cand,
+    }
+    what = (
+        f"{len(cases)} case(s); shape {biggest[0]!r} has {_gib(biggest[1]['inputs'])} of inputs "
+        f"and {_gib(biggest[1]['outputs'])} of outputs"
+    )
+    advice = (
+        "Validate a smaller problem: pass shapes=[...] to check fewer shapes, or shrink the "
+        'task\'s sizes with task_globals (e.g. task_globals={"batch_size": 16}) or its '
+        "SHAPES; or run where there is more memory (job_memory_bytes in loom.toml limits each "
+        "job)."
+    )
     limits = []
     on_cpu = device.type == "cpu"
     # Host memory: on a GPU the float64 case and the candidate's copies are device memory.
@@ -91,35 +100,46 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
     ref_limit = int(request.get("memory_limit_bytes") or 0)
     cand_limit = int(request.get("candidate_memory_limit_bytes") or 0)
     if ref_limit and ref_host > ref_limit:
-        limits.append(f"the reference process needs at least {_gib(ref_host)} (every case's "
-                      "inputs, kept to compare on" + (", plus one case in float64" if on_cpu else "")
-                      + f"), more than its memory limit of {_gib(ref_limit)}")
+        limits.append(
+            f"the reference process needs at least {_gib(ref_host)} (every case's "
+            "inputs, kept to compare on"
+            + (", plus one case in float64" if on_cpu else "")
+            + f"), more than its memory limit of {_gib(ref_limit)}"
+        )
     if on_cpu and cand_limit and one_cand > cand_limit:
-        limits.append(f"the candidate process needs at least {_gib(one_cand)} for one case, more "
-                      f"than its memory limit of {_gib(cand_limit)}")
+        limits.append(
+            f"the candidate process needs at least {_gib(one_cand)} for one case, more "
+            f"than its memory limit of {_gib(cand_limit)}"
+        )
     # Not MemAvailable: on the H200 machines memory grows as it is used (MemTotal read 31 GiB
     # at the start, 255 GiB once 192 GiB were filled), so it would refuse jobs that fit. The job
     # limits are the ceiling; a kernel OOM kill past them is reported as RESOURCE_LIMIT after.
     if device.type == "cuda" and not limits:
         free, _total = torch.cuda.mem_get_info(device)
         if one_cand > free:
-            limits.append(f"the candidate needs at least {_gib(one_cand)} of device memory for one "
-                          f"case; {_gib(free)} of {device} is free")
+            limits.append(
+                f"the candidate needs at least {_gib(one_cand)} of device memory for one "
+                f"case; {_gib(free)} of {device} is free"
+            )
     # Disk: every case's inputs are written for the candidate, every case's outputs by it.
     disk_limit = int(request.get("disk_limit_bytes") or 0)
     written = {"inputs": kept, "outputs": sum(s["outputs"] for s in sized)}
     for which, size in written.items():
         if disk_limit and size > disk_limit:
-            limits.append(f"the {which} of all cases take {_gib(size)} on disk, more than a job's "
-                          f"disk quota of {_gib(disk_limit)} (job_disk_bytes in loom.toml)")
+            limits.append(
+                f"the {which} of all cases take {_gib(size)} on disk, more than a job's "
+                f"disk quota of {_gib(disk_limit)} (job_disk_bytes in loom.toml)"
+            )
     cases_dir = Path(request.get("cases_dir") or ".")
     try:
         free_disk = shutil.disk_usage(cases_dir.parent).free
     except OSError:
         free_disk = None
     if free_disk is not None and sum(written.values()) > free_disk:
-        limits.append(f"the inputs and outputs of all cases take {_gib(sum(written.values()))} on "
-                      f"disk; {_gib(free_disk)} is free where the jobs run")
+        limits.append(
+            f"the inputs and outputs of all cases take {_gib(sum(written.values()))} on "
+            f"disk; {_gib(free_disk)} is free where the jobs run"
+        )
     if limits:
         raise ResourceLimit(f"too big ({what}): {'; '.join(limits)}. {advice}")
     return estimate

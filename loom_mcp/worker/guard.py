@@ -137,9 +137,13 @@ class Guard:
         self.own = own
 
 
-def install(candidate_paths: Iterable[str | os.PathLike], *,
-            watch: Iterable[ModuleType | str] = (), echo: bool = True,
-            max_records: int = 200) -> Guard:
+def install(
+    candidate_paths: Iterable[str | os.PathLike],
+    *,
+    watch: Iterable[ModuleType | str] = (),
+    echo: bool = True,
+    max_records: int = 200,
+) -> Guard:
     """Install the audit hook in this process (once; it cannot be removed) and return its Guard.
 
     candidate_paths: the candidate's files. Modules in the same directories count as the
@@ -176,23 +180,31 @@ def findings(violations: Iterable[dict[str, Any]] | None, stderr: str = "") -> l
         if check in out:
             out[check]["repeats"] += count
             return
-        out[check] = {"check": check, "severity": severity, "message": message[:500],
-                      "where": where if isinstance(where, str) else None, "repeats": count - 1}
+        out[check] = {
+            "check": check,
+            "severity": severity,
+            "message": message[:500],
+            "where": where if isinstance(where, str) else None,
+            "repeats": count - 1,
+        }
 
     # A list from a worker's reply, which candidate code can forge: anything else counts as none.
     for v in violations if isinstance(violations, list) else []:
         if isinstance(v, dict) and isinstance(v.get("check"), str):
-            count = (cast(int, v.get("count"))
-                     if isinstance(v.get("count"), int) and v["count"] > 0 else 1)
-            add(v["check"], str(v.get("severity", "error")), str(v.get("message") or v["check"]),
-                v.get("where"), count)
+            count = cast(int, v.get("count")) if isinstance(v.get("count"), int) and v["count"] > 0 else 1
+            add(v["check"], str(v.get("severity", "error")), str(v.get("message") or v["check"]), v.get("where"), count)
     for line in stderr.splitlines():
         if line.startswith(STDERR_PREFIX):
-            words = line[len(STDERR_PREFIX):].split(" ", 1)
+            words = line[len(STDERR_PREFIX) :].split(" ", 1)
             if words and words[0] not in out:
-                add(words[0], "error",
+                add(
+                    words[0],
+                    "error",
                     f"{CHECKS.get(words[0], words[0])}: {words[1] if len(words) > 1 else ''}"
-                    "; reported by the worker's guard", None, 1)
+                    "; reported by the worker's guard",
+                    None,
+                    1,
+                )
     result = []
     for f in out.values():
         repeats = f.pop("repeats")

@@ -15,8 +15,7 @@ from loom_mcp.worker.guard_paths import _cache_roots, _lexical, _real, _roots
 
 # Check name -> what it means, for reports.
 CHECKS: dict[str, str] = {
-    "guard.frame_introspection": "reached for a Python frame (the way to another module's "
-    "globals and locals)",
+    "guard.frame_introspection": "reached for a Python frame (the way to another module's globals and locals)",
     "guard.ctypes": "used ctypes, which reads and writes any memory of the process",
     "guard.proc_mem": "opened the process's memory file (or a path the guard could not check)",
     "guard.dynamic_code": "compiled or executed code at run time, hidden from the static checks",
@@ -32,26 +31,56 @@ CHECKS: dict[str, str] = {
 
 FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions"})
 FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-CTYPES_EVENTS = frozenset({
-    "ctypes.addressof", "ctypes.call_function", "ctypes.cdata", "ctypes.cdata/buffer",
-    "ctypes.create_string_buffer", "ctypes.create_unicode_buffer", "ctypes.dlopen",
-    "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.get_errno", "ctypes.set_errno",
-    "ctypes.get_last_error", "ctypes.set_last_error", "ctypes.set_exception",
-    "ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr", "ctypes.seh_exception",
-})
+CTYPES_EVENTS = frozenset(
+    {
+        "ctypes.addressof",
+        "ctypes.call_function",
+        "ctypes.cdata",
+        "ctypes.cdata/buffer",
+        "ctypes.create_string_buffer",
+        "ctypes.create_unicode_buffer",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.dlsym/handle",
+        "ctypes.get_errno",
+        "ctypes.set_errno",
+        "ctypes.get_last_error",
+        "ctypes.set_last_error",
+        "ctypes.set_exception",
+        "ctypes.string_at",
+        "ctypes.wstring_at",
+        "ctypes.PyObj_FromPtr",
+        "ctypes.seh_exception",
+    }
+)
 CTYPES_MODULES = frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend"})
-DYNAMIC_EVENTS = frozenset({"compile", "exec", "marshal.loads", "marshal.load", "code.__new__",
-                            "function.__new__"})
-TRACING_EVENTS = frozenset({"sys.settrace", "sys.setprofile", "sys.monitoring.register_callback",
-                            "sys._settraceallthreads", "sys._setprofileallthreads"})
+DYNAMIC_EVENTS = frozenset({"compile", "exec", "marshal.loads", "marshal.load", "code.__new__", "function.__new__"})
+TRACING_EVENTS = frozenset(
+    {
+        "sys.settrace",
+        "sys.setprofile",
+        "sys.monitoring.register_callback",
+        "sys._settraceallthreads",
+        "sys._setprofileallthreads",
+    }
+)
 GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 SETATTR_EVENTS = frozenset({"object.__setattr__", "object.__delattr__"})
-PROCESS_EVENTS = frozenset({"os.system", "subprocess.Popen", "os.exec", "os.posix_spawn",
-                            "os.spawn", "os.fork", "os.forkpty", "pty.spawn"})
+PROCESS_EVENTS = frozenset(
+    {"os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"}
+)
 LINK_EVENTS = frozenset({"os.symlink", "os.link"})
-WATCHED = (FRAME_EVENTS | CTYPES_EVENTS | DYNAMIC_EVENTS | TRACING_EVENTS | GC_EVENTS
-           | SETATTR_EVENTS | PROCESS_EVENTS | LINK_EVENTS
-           | {"object.__getattr__", "open", "import", "sys.addaudithook"})
+WATCHED = (
+    FRAME_EVENTS
+    | CTYPES_EVENTS
+    | DYNAMIC_EVENTS
+    | TRACING_EVENTS
+    | GC_EVENTS
+    | SETATTR_EVENTS
+    | PROCESS_EVENTS
+    | LINK_EVENTS
+    | {"object.__getattr__", "open", "import", "sys.addaudithook"}
+)
 MEM_FILES = frozenset({"mem", "kmem", "port"})
 PATCH_ATTRS = frozenset({"__code__", "__class__", "__bases__"})
 # Standard-library modules that set __bases__ or __class__ on classes they build for the caller.
@@ -60,13 +89,21 @@ CLASS_BUILDERS = frozenset({"typing.py", "enum.py", "dataclasses.py"})
 # Standard-library modules (path relative to the stdlib directory) that use frames or generate
 # code on their caller's behalf and never hand a frame back.
 FRAME_CONSUMERS = frozenset({"warnings.py", "typing.py", "enum.py", "dataclasses.py"})
-FRAME_CONSUMER_FUNCTIONS = frozenset({("logging/__init__.py", "findCaller"),
-                                      ("collections/__init__.py", "namedtuple")})
+FRAME_CONSUMER_FUNCTIONS = frozenset({("logging/__init__.py", "findCaller"), ("collections/__init__.py", "namedtuple")})
 CODE_GENERATORS = frozenset({"dataclasses.py", "collections/__init__.py", "typing.py"})
-IMPORTLIB = frozenset({"<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>",
-                       "importlib/_bootstrap.py", "importlib/_bootstrap_external.py",
-                       "<frozen importlib.util>", "<frozen importlib.machinery>",
-                       "importlib/__init__.py", "importlib/util.py", "importlib/machinery.py"})
+IMPORTLIB = frozenset(
+    {
+        "<frozen importlib._bootstrap>",
+        "<frozen importlib._bootstrap_external>",
+        "importlib/_bootstrap.py",
+        "importlib/_bootstrap_external.py",
+        "<frozen importlib.util>",
+        "<frozen importlib.machinery>",
+        "importlib/__init__.py",
+        "importlib/util.py",
+        "importlib/machinery.py",
+    }
+)
 STDERR_PREFIX = "loom-guard: "
 
 # Events refused by their name alone when candidate code raises them; `open`, links, imports,
@@ -82,8 +119,13 @@ EVENT_CHECKS: dict[str, str] = {
 }
 
 
-def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - one closure
-          refused: type[BaseException]):
+def build(
+    candidate_paths,
+    watch,
+    echo: bool,
+    max_records: int,  # noqa: C901 - one closure
+    refused: type[BaseException],
+):
     """The hook and its readers (hook, violations, own). What the hook raises is a private
     subclass of `refused`, in `refused`'s module.
 
@@ -200,7 +242,7 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
             return ("L", "")
         for root in stdlib_roots:
             if path.startswith(root + "/"):
-                return ("S", path[_len(root) + 1:])
+                return ("S", path[_len(root) + 1 :])
         if under(path, cache_roots):
             return ("L", "")
         if under(path, cand_dirs):
@@ -249,12 +291,24 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
         if entry is not None:
             entry["count"] += 1
             return entry
-        how = ("found changed by the worker's guard" if check == "guard.harness_tamper"
-               else "refused by the worker's audit hook")
-        message = (f"{checks.get(check, check)}: {event}{' ' + detail if detail else ''}"
-                   f"{' at ' + where if where else ''}; {how}")
-        entry = {"check": check, "severity": severity, "event": event, "detail": detail,
-                 "where": where, "message": message, "count": 1}
+        how = (
+            "found changed by the worker's guard"
+            if check == "guard.harness_tamper"
+            else "refused by the worker's audit hook"
+        )
+        message = (
+            f"{checks.get(check, check)}: {event}{' ' + detail if detail else ''}"
+            f"{' at ' + where if where else ''}; {how}"
+        )
+        entry = {
+            "check": check,
+            "severity": severity,
+            "event": event,
+            "detail": detail,
+            "where": where,
+            "message": message,
+            "count": 1,
+        }
         counts[key] = entry  # repeats only count, whether or not the entry fits the record
         if _len(records) < max_records:
             records.append(entry)
@@ -331,8 +385,7 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
         """The check of an event judged by an argument (an attribute's name, a module's), or
         None where that argument makes it harmless."""
         if event == "object.__getattr__":
-            return ("guard.frame_introspection"
-                    if _len(args) > 1 and text(args[1]) in frame_attrs else None)
+            return "guard.frame_introspection" if _len(args) > 1 and text(args[1]) in frame_attrs else None
         if event in setattr_events:  # not a class's __name__, __qualname__, __module__, __doc__
             return "guard.monkeypatch" if _len(args) > 1 and text(args[1]) in patch_attrs else None
         if event == "import":
@@ -354,9 +407,13 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
             if bad is None:  # an object the hook will not call into: judged by who opens it
                 kind, frame, _ = walk()
                 if kind == "C":
-                    return refuse("guard.proc_mem", event,
-                                  "a path given as an object, which the guard will not read "
-                                  "(a str or bytes path would be checked)", frame)
+                    return refuse(
+                        "guard.proc_mem",
+                        event,
+                        "a path given as an object, which the guard will not read "
+                        "(a str or bytes path would be checked)",
+                        frame,
+                    )
             return None
         if event in link_events:
             if link_to_proc(args):
@@ -374,12 +431,10 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
             detail = text(args[1]) or ""
         if kind != "C":
             if check == "guard.tracing":
-                if (event == "sys.monitoring.register_callback" and args
-                        and candidate_function(args[0])):
+                if event == "sys.monitoring.register_callback" and args and candidate_function(args[0]):
                     return refuse(check, event, "a candidate callback", None)
                 if kind is None:  # all standard library: a thread starting runs threading's hooks
-                    hooks = (threading_dict.get("_trace_hook"),
-                             threading_dict.get("_profile_hook"))
+                    hooks = (threading_dict.get("_trace_hook"), threading_dict.get("_profile_hook"))
                     if candidate_function(hooks[0]) or candidate_function(hooks[1]):
                         return refuse(check, event, "threading.settrace/setprofile", None)
             return None
@@ -452,6 +507,7 @@ def build(candidate_paths, watch, echo: bool, max_records: int,  # noqa: C901 - 
         tid = get_ident()
         busy.add(tid)
         try:
+
             def once(check: str, event: str, detail: str) -> None:  # however often read
                 if (check, event, None, detail) not in counts:
                     record(check, event, detail, None)

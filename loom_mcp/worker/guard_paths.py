@@ -59,8 +59,7 @@ def _cache_roots() -> list[str]:
     import getpass
     import tempfile
 
-    roots = [os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR",
-                                          "TORCHINDUCTOR_CACHE_DIR")]
+    roots = [os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR")]
     home = os.path.expanduser("~")
     roots += [os.path.join(home, ".triton"), os.path.join(home, ".cache")]
     try:

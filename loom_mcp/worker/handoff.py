@@ -75,17 +75,17 @@ class BundleWriter:
         chunks = []
         for k, start in enumerate(range(0, len(view), self.chunk_bytes)):
             name = f"t{index}.{k}.bin"
-            piece = view[start:start + self.chunk_bytes]
-            fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                         0o644)
+            piece = view[start : start + self.chunk_bytes]
+            fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
                 while piece:
-                    piece = piece[os.write(fd, piece):]
+                    piece = piece[os.write(fd, piece) :]
             finally:
                 os.close(fd)
             chunks.append(name)
-        self.tensors.append({"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
-                             "nbytes": len(view), "chunks": chunks})
+        self.tensors.append(
+            {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "nbytes": len(view), "chunks": chunks}
+        )
         return index
 
     def encode(self, value: Any) -> Any:
@@ -148,8 +148,7 @@ def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
             raise ValueError(f"the files of a {nbytes}-byte tensor hold {sum(sizes)} bytes")
         if len(fds) == 1 and nbytes >= MAP_BYTES:
             # Copy-on-write: no copy of the bytes, and a write stays in this process.
-            raw = torch.frombuffer(mmap.mmap(fds[0], nbytes, access=mmap.ACCESS_COPY),
-                                   dtype=torch.uint8)
+            raw = torch.frombuffer(mmap.mmap(fds[0], nbytes, access=mmap.ACCESS_COPY), dtype=torch.uint8)
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8)
             target = memoryview(raw.numpy())  # type: ignore[arg-type]

@@ -114,15 +114,15 @@ def _transform(tensor: torch.Tensor, kind: str, seed: int, generators: dict) -> 
     raise ValueError(f"unknown input kind {kind!r}")
 
 
-def _generate_inputs(task: ModuleType, shape: dict[str, Any], seed: int,
-                     device: torch.device | None, host_fallback: bool = True) -> list:
+def _generate_inputs(
+    task: ModuleType, shape: dict[str, Any], seed: int, device: torch.device | None, host_fallback: bool = True
+) -> list:
     torch.manual_seed(seed)
     if device is None or device.type == "cpu":
         return list(_call_with_shape(task.get_inputs, shape))
     try:
         with device:  # factory calls without a device land on the accelerator
-            return [x.cpu() if isinstance(x, torch.Tensor) else x
-                    for x in _call_with_shape(task.get_inputs, shape)]
+            return [x.cpu() if isinstance(x, torch.Tensor) else x for x in _call_with_shape(task.get_inputs, shape)]
     except torch.OutOfMemoryError:
         if not host_fallback:  # drawn on the host they would be other numbers
             raise
@@ -133,8 +133,14 @@ def _generate_inputs(task: ModuleType, shape: dict[str, Any], seed: int,
         return list(_call_with_shape(task.get_inputs, shape))
 
 
-def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str,
-              device: torch.device | None = None, host_fallback: bool = True) -> tuple[list, list]:
+def make_case(
+    task: ModuleType,
+    shape: dict[str, Any],
+    seed: int,
+    kind: str,
+    device: torch.device | None = None,
+    host_fallback: bool = True,
+) -> tuple[list, list]:
     """(inputs, init_inputs) for one case, returned on the CPU, bit-for-bit reproducible from the
     seed on a given kind of device. With an accelerator `device`, the task's random inputs are
     drawn there and copied back: on the H200 host drawing 220 MB of validation inputs on the
@@ -147,8 +153,12 @@ def make_case(task: ModuleType, shape: dict[str, Any], seed: int, kind: str,
     init_inputs = list(_call_with_shape(init_fn, shape)) if init_fn else []
     on = device if device is not None and device.type != "cpu" else None
     generators: dict[str, torch.Generator] = {}
-    inputs = [_transform(x.to(on) if on is not None else x, kind, seed, generators).cpu()
-              if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    inputs = [
+        _transform(x.to(on) if on is not None else x, kind, seed, generators).cpu()
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+        else x
+        for x in inputs
+    ]
     return inputs, init_inputs
 
 
@@ -180,8 +190,11 @@ def tensor_digest(values: list | tuple) -> str:
             t = value.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             # The bytes in place: a copy of a 6 GB input was 6 GB more at the reference's peak.
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                     if t.numel() else b"")
+            h.update(
+                memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                if t.numel()
+                else b""
+            )
         else:
             h.update(repr(value).encode())
     return h.hexdigest()
@@ -303,16 +316,22 @@ def code_classifier(candidate_file: str | Path):
     kinds: dict[str, str] = {}
 
     def under(path: str, roots) -> bool:
-        return any(path == r or path.startswith(r.rstrip("/") + "/")
-                   or (r.endswith("_") and path.startswith(r)) for r in roots)
+        return any(
+            path == r or path.startswith(r.rstrip("/") + "/") or (r.endswith("_") and path.startswith(r)) for r in roots
+        )
 
     # Every import root this process cannot write (the sandbox mounts them read-only) and that
     # holds no candidate file: a distribution's packages may sit apart from torch's (e.g.
     # /usr/lib/python3/dist-packages, where tqdm's monitor thread comes from).
     libraries = libraries + sorted(
-        os.path.realpath(p) for p in sys.path
-        if p and os.path.isabs(p) and os.path.isdir(p) and not os.access(p, os.W_OK)
-        and not any(under(d, [os.path.realpath(p), os.path.abspath(p)]) for d in cand_dirs))
+        os.path.realpath(p)
+        for p in sys.path
+        if p
+        and os.path.isabs(p)
+        and os.path.isdir(p)
+        and not os.access(p, os.W_OK)
+        and not any(under(d, [os.path.realpath(p), os.path.abspath(p)]) for d in cand_dirs)
+    )
 
     def kind_of(name: str) -> str:
         if name.startswith("<frozen "):
@@ -392,8 +411,13 @@ def track_threads(candidate_file: str | Path):
             # anywhere else the candidate could have written counts as its own.
             if kind in ("library", "stdlib") and running is None:
                 continue
-            found.append({"name": names.get(ident, f"thread {ident}"), "running": running,
-                          "started_at": started_at or "outside threading.Thread.start"})
+            found.append(
+                {
+                    "name": names.get(ident, f"thread {ident}"),
+                    "running": running,
+                    "started_at": started_at or "outside threading.Thread.start",
+                }
+            )
         return found
 
     threading.Thread.start = start  # type: ignore[method-assign]

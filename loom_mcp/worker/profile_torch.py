@@ -41,15 +41,18 @@ def profile_task(request: dict, device: torch.device, guarded: list) -> dict:
     shapes = task_shapes(task)
     shape = next((s for s in shapes if s["name"] == request.get("shape")), None) if request.get("shape") else shapes[0]
     if shape is None:
-        raise ValueError(f"unknown shape {request['shape']!r}; the task defines "
-                         + ", ".join(s["name"] for s in shapes))
+        raise ValueError(
+            f"unknown shape {request['shape']!r}; the task defines " + ", ".join(s["name"] for s in shapes)
+        )
     inputs, init_inputs = make_case(task, shape, 0, "normal")
     if request.get("candidate"):
         # The task's module is the agent's reference; the candidate is untrusted: the audit hook
         # goes in before it is imported (see loom_mcp.worker.guard).
-        guarded.append(guard_module.install(
-            [request["candidate"]],
-            watch=[sys.modules[__name__], harness, protocol, guard_module]).violations)
+        guarded.append(
+            guard_module.install(
+                [request["candidate"]], watch=[sys.modules[__name__], harness, protocol, guard_module]
+            ).violations
+        )
         model_cls = load_module(request["candidate"], "loom_candidate").ModelNew
     else:
         model_cls = task.Model
@@ -63,8 +66,12 @@ def profile_task(request: dict, device: torch.device, guarded: list) -> dict:
         for _ in range(warmup):
             model(*x)
         synchronize(device)
-        with profile(activities=activities(device), record_shapes=True, with_stack=False,
-                     schedule=schedule(wait=0, warmup=1, active=active, repeat=1)) as prof:
+        with profile(
+            activities=activities(device),
+            record_shapes=True,
+            with_stack=False,
+            schedule=schedule(wait=0, warmup=1, active=active, repeat=1),
+        ) as prof:
             for _ in range(active + 1):
                 model(*x)
                 synchronize(device)
@@ -88,18 +95,17 @@ def main() -> None:
     started = time.perf_counter()
     guarded: list = []  # the guard's reader, once installed: a local, out of the candidate's reach
     try:
-        info = (profile_task(request, device, guarded) if request.get("task")
-                else profile_script(request, device))
+        info = profile_task(request, device, guarded) if request.get("task") else profile_script(request, device)
         result = {"error": None, "device": str(device), **info}
     except Exception as exc:
-        result = {"error": user_traceback(exc, request.get("candidate") or request.get("task")
-                                          or request.get("script") or "")}
+        result = {
+            "error": user_traceback(exc, request.get("candidate") or request.get("task") or request.get("script") or "")
+        }
     if guarded:
         result["guard"] = violations = guarded[0]()
         refused = [v["message"] for v in violations if v.get("severity") == "error"]
         if refused:  # a profile of a candidate that was refused is not a profile of its kernel
-            result["error"] = ("the candidate was refused by the worker's guard: "
-                               + "; ".join(refused[:3]))
+            result["error"] = "the candidate was refused by the worker's guard: " + "; ".join(refused[:3])
     result["seconds"] = time.perf_counter() - started
     send_result(result)
 

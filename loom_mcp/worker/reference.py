@@ -64,8 +64,15 @@ from loom_mcp.worker.protocol import (
     send_result,
 )
 
-DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32",
-                 "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+DTYPE_ALIASES = {
+    "float64": "fp64",
+    "double": "fp64",
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+}
 
 
 def canonical_key(name: str) -> str:
@@ -104,8 +111,11 @@ def plan_cases(task, seeds: int, only: list[str] | None, nonce: int) -> list[dic
             raise ValueError(f"unknown shape(s) {unknown}; the task defines: {names}")
         shapes = [s for s in shapes if s["name"] in only]
     kinds = getattr(task, "INPUT_KINDS", INPUT_KINDS)
-    return [{"shape": shape, "seed": derive_seed(nonce, shape["name"], i), "kind": kinds[i % len(kinds)]}
-            for shape in shapes for i in range(seeds)]
+    return [
+        {"shape": shape, "seed": derive_seed(nonce, shape["name"], i), "kind": kinds[i % len(kinds)]}
+        for shape in shapes
+        for i in range(seeds)
+    ]
 
 
 def _model_value(task, name: str, shape: dict) -> float | None:
@@ -136,13 +146,19 @@ def prepare_bench(request: dict) -> dict:
             if i == 0:
                 model = build_reference(task, init_inputs, seed)
                 state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
-            sets.append({"seed": seed, "inputs": inputs, "init_inputs": init_inputs,
-                         "state_dict": state if i == 0 else {}})
+            sets.append(
+                {"seed": seed, "inputs": inputs, "init_inputs": init_inputs, "state_dict": state if i == 0 else {}}
+            )
         out.append({"name": shape["name"], "sets": sets})
-        meta.append({"name": shape["name"], "sets": len(sets),
-                     "input_bytes": input_bytes(sets[0]["inputs"]),
-                     "flops": _model_value(task, "flops", shape),
-                     "bytes_moved": _model_value(task, "bytes_moved", shape)})
+        meta.append(
+            {
+                "name": shape["name"],
+                "sets": len(sets),
+                "input_bytes": input_bytes(sets[0]["inputs"]),
+                "flops": _model_value(task, "flops", shape),
+                "bytes_moved": _model_value(task, "bytes_moved", shape),
+            }
+        )
     handoff.write_bundle(request["cases_file"], {"shapes": out})  # a directory: see handoff
     return {"shapes": meta}
 
@@ -166,8 +182,7 @@ def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device:
         try:
             model64 = model64.double().to(device).eval()
             with torch.no_grad():
-                exact = [o.detach().double() for o in
-                         as_output_list(model64(*to_device(_to_float64(inputs), device)))]
+                exact = [o.detach().double() for o in as_output_list(model64(*to_device(_to_float64(inputs), device)))]
             synchronize(device)
         except Exception as exc:  # some ops have no float64 kernel on some devices
             note = f"float64 reference unavailable ({type(exc).__name__}); compared to native"
@@ -207,8 +222,9 @@ class _ReferenceStore:
         return [t.cpu() for t in tensors]
 
 
-def _reference_case(task, task_file: str, case: dict, inputs: list, init_inputs: list,
-                    device: torch.device, ahead: bool = False) -> dict[str, Any]:
+def _reference_case(
+    task, task_file: str, case: dict, inputs: list, init_inputs: list, device: torch.device, ahead: bool = False
+) -> dict[str, Any]:
     """One case's reference outputs (native and float64). Ahead of the candidate's exit, running
     out of device memory is not the reference's failure: the candidate holds memory too, so
     the caller stops computing ahead and does this case again afterwards."""
@@ -240,8 +256,11 @@ def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict
         inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"], device)
         model = build_reference(task, init_inputs, case["seed"])
         state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
-        written.append(writer.encode({"seed": case["seed"], "inputs": inputs,
-                                      "init_inputs": init_inputs, "state_dict": dict(state)}))
+        written.append(
+            writer.encode(
+                {"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs, "state_dict": dict(state)}
+            )
+        )
         kept.append((inputs, init_inputs))
         del model, state
     writer.close(written)
@@ -256,8 +275,7 @@ def inputs_reproducible(task, cases: list[dict], kept: list[tuple[list, list]], 
     if not cases:
         return True
     try:
-        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device,
-                             host_fallback=False)
+        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device, host_fallback=False)
     except torch.OutOfMemoryError:  # the candidate holds the device now: no way to tell, no blame
         torch.cuda.empty_cache()
         return True
@@ -286,8 +304,7 @@ class CandidateOutputs:
             got = self.bundle.decode(self.bundle.tree[index])
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             return None, f"the candidate's saved outputs could not be read: {type(exc).__name__}: {exc}"
-        if got is not None and not (isinstance(got, list)
-                                    and all(isinstance(t, torch.Tensor) for t in got)):
+        if got is not None and not (isinstance(got, list) and all(isinstance(t, torch.Tensor) for t in got)):
             return None, "the candidate's saved outputs are not a list of tensors per case"
         return got, None
 
@@ -359,8 +376,7 @@ def validate(request: dict) -> dict:
         for i, (out, expected) in enumerate(zip(got, native)):
             expected = expected.to(device)
             tol = tolerances.get(canonical_dtype(expected.dtype), {"atol": 0.0, "rtol": 0.0})
-            one = compare_one(out, expected, exact[i].to(device) if exact else None, tol,
-                              stats[i] if stats else None)
+            one = compare_one(out, expected, exact[i].to(device) if exact else None, tol, stats[i] if stats else None)
             if custom_check is not None and one["shape_match"] and one["dtype_match"]:
                 try:
                     ok = bool(custom_check(out.to(expected.device), expected))
@@ -396,8 +412,7 @@ def main() -> None:
     except ResourceLimit as exc:
         result = {"error": str(exc), "error_code": "RESOURCE_LIMIT"}
     except (MemoryError, torch.OutOfMemoryError) as exc:
-        result = {"error": f"out of memory: {type(exc).__name__}: {str(exc)[:300]}",
-                  "error_code": "RESOURCE_LIMIT"}
+        result = {"error": f"out of memory: {type(exc).__name__}: {str(exc)[:300]}", "error_code": "RESOURCE_LIMIT"}
     except Exception as exc:
         result = {"error": user_traceback(exc, request["task"])}
         if _allocation_failed(exc):
@@ -408,9 +423,9 @@ def main() -> None:
 def _allocation_failed(exc: BaseException) -> bool:
     """torch's CPU allocator reports a refused allocation as a RuntimeError."""
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("not enough memory" in text
-                                              or "DefaultCPUAllocator" in text
-                                              or "Cannot allocate memory" in text)
+    return isinstance(exc, RuntimeError) and (
+        "not enough memory" in text or "DefaultCPUAllocator" in text or "Cannot allocate memory" in text
+    )
 
 
 if __name__ == "__main__":

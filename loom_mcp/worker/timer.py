@@ -125,8 +125,9 @@ class Timer:
         self.hold = HOLD_CYCLES
         self.late = 0
         if self.gpu:
-            self.flush_buffer = (torch.ones(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
-                                 if self.flush_bytes else None)
+            self.flush_buffer = (
+                torch.ones(self.flush_bytes // 4, dtype=torch.int32, device=self.device) if self.flush_bytes else None
+            )
             self.flush_sink = torch.empty((), dtype=torch.int64, device=self.device)
             self.go = torch.cuda.Event(interprocess=True)
             self.go.record()  # created on this device now, so its handle can be taken
@@ -151,8 +152,11 @@ class Timer:
                 sock.close()
                 continue
             role = hello.get("role")
-            if (role not in tokens or role in self.arms
-                    or not hmac.compare_digest(str(hello.get("hello")), tokens[role])):
+            if (
+                role not in tokens
+                or role in self.arms
+                or not hmac.compare_digest(str(hello.get("hello")), tokens[role])
+            ):
                 sock.close()
                 continue
             conn.role = role
@@ -180,30 +184,36 @@ class Timer:
         inputs_dir = None if self.gpu else self._fresh(self.exchange / "in" / str(shape_index))
         shared = exchange.share_inputs(live, inputs_dir)  # CPU: `live` now maps the files
         self.current = {"pristine": pristine, "live": live}
-        replies = {role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared})
-                   for role, arm in self.arms.items()}
-        cap = max(MIN_OUTPUT_CAP, OUTPUT_CAP_PER_INPUT * input_bytes(pristine[0]),
-                  self._baseline_output_bytes(replies.get("baseline")))
+        replies = {
+            role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared}) for role, arm in self.arms.items()
+        }
+        cap = max(
+            MIN_OUTPUT_CAP,
+            OUTPUT_CAP_PER_INPUT * input_bytes(pristine[0]),
+            self._baseline_output_bytes(replies.get("baseline")),
+        )
         for role, arm in self.arms.items():
             specs = replies[role].get("specs")
             if not isinstance(specs, list) or not 0 < len(specs) <= MAX_OUTPUTS:
-                raise ArmFailed(role, "it reported no outputs, or more than "
-                                      f"{MAX_OUTPUTS}")
+                raise ArmFailed(role, f"it reported no outputs, or more than {MAX_OUTPUTS}")
             self.specs[role] = [{"nbytes": int(x["nbytes"]), "dtype": str(x["dtype"])} for x in specs]
             for spec in self.specs[role]:
                 exchange.dtype_named(spec["dtype"])
             out_dir = None if self.gpu else self._fresh(self.exchange / f"out-{role}" / str(shape_index))
             try:
-                self.slots[role], described = exchange.output_slots(self.specs[role], out_dir,
-                                                                    self.device, cap)
+                self.slots[role], described = exchange.output_slots(self.specs[role], out_dir, self.device, cap)
             except ValueError as exc:  # the arm asked for more than its outputs can need
                 raise ArmFailed(role, str(exc)) from None
             arm.ask({"op": "bind", "slots": described})
             self.copy_s[role] = self._copy_cost(self.slots[role])
         for reply in replies.values():
             reply.pop("specs", None)
-        return {"sets": len(live), "graph": any(r.get("graph") for r in replies.values()),
-                "arms": replies, "copy_s": self.copy_s}
+        return {
+            "sets": len(live),
+            "graph": any(r.get("graph") for r in replies.values()),
+            "arms": replies,
+            "copy_s": self.copy_s,
+        }
 
     def _baseline_output_bytes(self, reply: dict | None) -> int:
         """What the baseline (the task's Model, or an earlier accepted file) outputs per call:
@@ -249,8 +259,7 @@ class Timer:
     def _perturb(self, set_index: int, salt: int) -> None:
         """Fresh content for one input set, the same for both arms: (salt, set) seeds the noise."""
         generator = torch.Generator(device=self.device).manual_seed((salt << 8) + set_index)
-        for live, original in zip(self.current["live"][set_index],
-                                  self.current["pristine"][set_index], strict=True):
+        for live, original in zip(self.current["live"][set_index], self.current["pristine"][set_index], strict=True):
             if isinstance(live, torch.Tensor) and live.is_floating_point():
                 noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
                 noise.uniform_(0.9, 1.1, generator=generator)
@@ -261,8 +270,7 @@ class Timer:
         if self.flush_buffer is not None:
             torch.sum(self.flush_buffer, 0, dtype=torch.int64, out=self.flush_sink)
 
-    def _call_gpu(self, arm: Line, role: str, set_index: int, empty: bool,
-                  salt: int) -> tuple[Any, Any, dict]:
+    def _call_gpu(self, arm: Line, role: str, set_index: int, empty: bool, salt: int) -> tuple[Any, Any, dict]:
         torch.cuda._sleep(self.hold)
         # Perturbed after the hold, just before the bracket: an arm that ran ahead of its go
         # event would have read the previous content.
@@ -290,8 +298,7 @@ class Timer:
         snapshot = None if empty else self._read(role, reply)
         return (start, end), snapshot, reply
 
-    def _call_cpu(self, arm: Line, role: str, set_index: int, empty: bool,
-                  salt: int) -> tuple[float, Any, dict]:
+    def _call_cpu(self, arm: Line, role: str, set_index: int, empty: bool, salt: int) -> tuple[float, Any, dict]:
         if not empty:
             self._perturb(set_index, salt)
         began = time.perf_counter()
@@ -303,8 +310,10 @@ class Timer:
         """The call's outputs at the secret positions, from the slots this process owns."""
         if reply.get("output_error") or reply.get("outputs") != len(self.specs[role]):
             return None
-        return [exchange.read_at(slot, spec, self.positions)
-                for slot, spec in zip(self.slots[role], self.specs[role], strict=True)]
+        return [
+            exchange.read_at(slot, spec, self.positions)
+            for slot, spec in zip(self.slots[role], self.specs[role], strict=True)
+        ]
 
     # -- a batch
     def batch(self, order: list[str], salt: int, probe: list[int], empties: int) -> dict:
@@ -312,8 +321,7 @@ class Timer:
         on freshly perturbed inputs and bracketed here; the baseline also runs `empties` calls
         that do nothing, which measure the bracket's own cost."""
         # The positions stay in this process: no arm can compute just them.
-        self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64,
-                                      device=self.device)
+        self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64, device=self.device)
         sets = len(self.current["live"])
         out: dict[str, Any] = {}
         overhead: list[float] = []
@@ -350,14 +358,19 @@ class Timer:
             error = None
             for snap, reply in snapshots:
                 if snap is None:
-                    error = str(reply.get("output_error")
-                                or "the arm's outputs differ in number from setup's")
+                    error = str(reply.get("output_error") or "the arm's outputs differ in number from setup's")
                     break
                 read.append([values.cpu().tolist() for values in snap])
             samples = None if error else read
             tampered = sorted({t for r in replies for t in (r.get("tampered") or [])})
-            out[role] = {"times": times, "late": late, "own_times": own, "samples": samples, "error": error,
-                         "tampered": tampered}
+            out[role] = {
+                "times": times,
+                "late": late,
+                "own_times": own,
+                "samples": samples,
+                "error": error,
+                "tampered": tampered,
+            }
         return {"arms": out, "overhead": overhead, "late": self.late, "hold_cycles": self.hold}
 
     def _seconds(self, bracket: Any) -> float:
@@ -411,8 +424,9 @@ def main() -> None:
                 reply = timer.setup(int(command["shape"]))
             elif op == "batch":
                 batches += 1
-                reply = timer.batch(list(command["order"]), int(command["salt"]),
-                                    list(command["probe"]), int(command.get("empties", 2)))
+                reply = timer.batch(
+                    list(command["order"]), int(command["salt"]), list(command["probe"]), int(command.get("empties", 2))
+                )
             elif op == "quit":
                 conn.send(timer.quit())
                 break
@@ -437,4 +451,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     exit_now()
-

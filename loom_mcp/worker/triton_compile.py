@@ -29,7 +29,11 @@ def _error_location(exc: BaseException, source: str) -> tuple[str | None, int | 
     src = getattr(exc, "src", None)
     node = getattr(exc, "node", None)
     if node is not None and hasattr(node, "lineno"):
-        fn_line = getattr(src, "starting_line_number", None) or getattr(getattr(src, "fn", None), "starting_line_number", 0) or 0
+        fn_line = (
+            getattr(src, "starting_line_number", None)
+            or getattr(getattr(src, "fn", None), "starting_line_number", 0)
+            or 0
+        )
         return source, int(node.lineno) + int(fn_line)
     return None, line
 
@@ -63,14 +67,16 @@ def _compiled_kernels(fn) -> list[dict]:
             except Exception:
                 pass
             meta = getattr(kernel, "metadata", None)
-            out.append({
-                "registers": getattr(kernel, "n_regs", None),
-                "spills": getattr(kernel, "n_spills", None),
-                "shared": getattr(meta, "shared", None),
-                "num_warps": getattr(meta, "num_warps", None),
-                "num_stages": getattr(meta, "num_stages", None),
-                "target": str(getattr(meta, "target", "")),
-            })
+            out.append(
+                {
+                    "registers": getattr(kernel, "n_regs", None),
+                    "spills": getattr(kernel, "n_spills", None),
+                    "shared": getattr(meta, "shared", None),
+                    "num_warps": getattr(meta, "num_warps", None),
+                    "num_stages": getattr(meta, "num_stages", None),
+                    "target": str(getattr(meta, "target", "")),
+                }
+            )
     return out
 
 
@@ -78,8 +84,14 @@ def main() -> None:
     request = read_request() or {}
     source = request["source"]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    result: dict = {"kernels": [], "error": None, "error_file": None, "error_line": None,
-                    "interpreted": interpreted, "ran_task": False}
+    result: dict = {
+        "kernels": [],
+        "error": None,
+        "error_file": None,
+        "error_line": None,
+        "interpreted": interpreted,
+        "ran_task": False,
+    }
     try:
         import triton
 

@@ -11,8 +11,7 @@ from typing import Any
 from loom_mcp.worker.harness import apply_task_globals, load_module
 
 
-def load_model_class(path: str | Path, name: str, class_name: str,
-                     task_globals: dict[str, Any] | None) -> Any:
+def load_model_class(path: str | Path, name: str, class_name: str, task_globals: dict[str, Any] | None) -> Any:
     """The model class of the code under test: its file imported as module `name`, with those
     task_globals that it defines too set first (a copy of the task's code sees the same shapes)."""
     module = load_module(path, name)

@@ -67,8 +67,10 @@ def read_kineto(path: Path) -> TraceData:
         for e in events:
             stream.last_pos = rec.pos
             if type(e) is not dict:  # a JSON file of other things (a list of numbers, say)
-                raise LoomError(ErrorCode.BAD_INPUT, f"{scrub_text(path.name)}: its events are not "
-                                "JSON objects; not a Kineto/PyTorch trace")
+                raise LoomError(
+                    ErrorCode.BAD_INPUT,
+                    f"{scrub_text(path.name)}: its events are not JSON objects; not a Kineto/PyTorch trace",
+                )
             ph = e.get("ph")
             if ph != "X":
                 if ph == "f" and e.get("cat") == "ac2g":

@@ -61,9 +61,7 @@ def _connect(path: Path) -> tuple[sqlite3.Connection, IO[bytes]]:
         db.execute("SELECT 1 FROM sqlite_master LIMIT 1")
     except sqlite3.DatabaseError as exc:
         fh.close()
-        raise LoomError(
-            ErrorCode.BAD_INPUT, f"{scrub_text(path.name)}: not a readable SQLite file ({exc})"
-        ) from exc
+        raise LoomError(ErrorCode.BAD_INPUT, f"{scrub_text(path.name)}: not a readable SQLite file ({exc})") from exc
     except BaseException:
         fh.close()
         raise
@@ -176,9 +174,7 @@ def read_nsys(path: Path) -> TraceData:
             key_expr = _name_expr(cols, strings, "nameId", "name")
             val_expr = _name_expr(cols, strings, "valueId", "value")
             env = {
-                str(k): str(v)
-                for k, v in db.execute(
-                    f"SELECT {key_expr}, {val_expr} FROM TARGET_INFO_SYSTEM_ENV AS t")
+                str(k): str(v) for k, v in db.execute(f"SELECT {key_expr}, {val_expr} FROM TARGET_INFO_SYSTEM_ENV AS t")
             }
             td.metadata_blocks["TARGET_INFO_SYSTEM_ENV"] = inspect_block(env)
     finally:

@@ -124,24 +124,17 @@ def read_rocprofv3(path: Path) -> TraceData:
     for n_sec, sec in enumerate(_sections(path)):
         if "metadata" in sec:
             # hostname, command line, environment-derived config: inspected, never kept.
-            td.metadata_blocks[f"metadata[{n_sec}]" if n_sec else "metadata"] = inspect_block(
-                sec["metadata"]
-            )
+            td.metadata_blocks[f"metadata[{n_sec}]" if n_sec else "metadata"] = inspect_block(sec["metadata"])
         gpu_agents: set[int] = set()
         for a in sec.get("agents") or []:
             if a.get("type") == 2:  # GPU agent
                 h = _handle(a.get("id"))
                 gpu_agents.add(h)
-                td.devices[h] = str(
-                    a.get("product_name") or a.get("marketing_name") or a.get("name") or "AMD GPU"
-                )
+                td.devices[h] = str(a.get("product_name") or a.get("marketing_name") or a.get("name") or "AMD GPU")
         symbols: dict[int, str] = {}
         for s in sec.get("kernel_symbols") or []:
             symbols[int(s.get("kernel_id", -1))] = str(
-                s.get("formatted_kernel_name")
-                or s.get("demangled_kernel_name")
-                or s.get("kernel_name")
-                or "?"
+                s.get("formatted_kernel_name") or s.get("demangled_kernel_name") or s.get("kernel_name") or "?"
             )
         kinds = (sec.get("strings") or {}).get("buffer_records") or []
         ops_by_kind = [k.get("operations") or [] for k in kinds]
@@ -195,7 +188,5 @@ def read_rocprofv3(path: Path) -> TraceData:
             td.l_corr.append(int(corr.get("internal", NO_ID)) if isinstance(corr, dict) else NO_ID)
             td.l_ext.append(NO_ID)
     if not len(td.l_ts):
-        td.notes.append(
-            "no HIP API records (collected without --hip-trace): kernels cannot be linked to launches"
-        )
+        td.notes.append("no HIP API records (collected without --hip-trace): kernels cannot be linked to launches")
     return td

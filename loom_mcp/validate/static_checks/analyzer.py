@@ -49,10 +49,7 @@ class Analyzer(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        bases = [
-            self.ctx.chain(base) or (base.id if isinstance(base, ast.Name) else "")
-            for base in node.bases
-        ]
+        bases = [self.ctx.chain(base) or (base.id if isinstance(base, ast.Name) else "") for base in node.bases]
         timing.check_bases(self.ctx, node, bases)
         self.ctx.classes.append((node.name, bases))
         self.generic_visit(node)

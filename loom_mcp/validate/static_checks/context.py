@@ -29,9 +29,7 @@ def is_under(name: str, prefixes: Iterable[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def make_finding(
-    check: str, severity: Severity, message: str, filename: str, line: int | None
-) -> Finding:
+def make_finding(check: str, severity: Severity, message: str, filename: str, line: int | None) -> Finding:
     return Finding(
         check=check,
         severity=severity,
@@ -131,9 +129,7 @@ class Context:
                 if isinstance(node.value, ast.Call):
                     q = self.chain(node.value.func) or ""
                     if q in STREAM_CALLS and not self.benign_stream(node.value):
-                        self.stream_names.update(
-                            ast.unparse(t) for t in targets if isinstance(t, ast.Attribute)
-                        )
+                        self.stream_names.update(ast.unparse(t) for t in targets if isinstance(t, ast.Attribute))
                         self.stream_names.update(names)
                 if not names:
                     continue

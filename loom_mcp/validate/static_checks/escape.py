@@ -36,8 +36,7 @@ def _check_io(ctx: Context, call: Call) -> None:
     elif call.attr in PATH_IO_METHODS and isinstance(func, ast.Attribute):
         base = ctx.chain(func.value) or ""
         if base.startswith("pathlib") or (
-            isinstance(func.value, ast.Call)
-            and (ctx.chain(func.value.func) or "").startswith("pathlib")
+            isinstance(func.value, ast.Call) and (ctx.chain(func.value.func) or "").startswith("pathlib")
         ):
             ctx.report(PATH_IO, node, name=call.attr)
     if call.attr == "tofile":
@@ -51,7 +50,5 @@ def _check_dynamic(ctx: Context, call: Call) -> None:
     if name == "builtins.getattr" and len(node.args) >= 2:
         base = ctx.chain(node.args[0]) or ""
         attr = node.args[1]
-        if root(base) in GUARDED_ROOTS and not (
-            isinstance(attr, ast.Constant) and isinstance(attr.value, str)
-        ):
+        if root(base) in GUARDED_ROOTS and not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
             ctx.report(COMPUTED_GETATTR, node, name=base)

@@ -51,9 +51,7 @@ def check_store_target(ctx: Context, target: ast.AST, value: ast.AST | None, ver
         check_key(ctx, target.slice, target)
 
 
-def _check_attribute_store(
-    ctx: Context, target: ast.Attribute, value: ast.AST | None, verb: str
-) -> None:
+def _check_attribute_store(ctx: Context, target: ast.Attribute, value: ast.AST | None, verb: str) -> None:
     full = ctx.chain(target)
     base = ctx.chain(target.value)
     if target.attr in PRECISION_FLAGS:

@@ -26,11 +26,7 @@ def check_attribute(ctx: Context, node: ast.Attribute, name: str | None) -> None
 
 def check_call(ctx: Context, call: Call) -> None:
     node, name, attr = call.node, call.name, call.attr
-    if (
-        attr in LOW_PRECISION_METHODS
-        and not node.args
-        and LOW_PRECISION_METHODS[attr] not in ctx.allowed_dtypes
-    ):
+    if attr in LOW_PRECISION_METHODS and not node.args and LOW_PRECISION_METHODS[attr] not in ctx.allowed_dtypes:
         ctx.report(LOW_PRECISION_METHOD, node, name=attr)
     if name == "torch.set_float32_matmul_precision":
         arg = node.args[0] if node.args else None
@@ -39,9 +35,7 @@ def check_call(ctx: Context, call: Call) -> None:
     if name in AUTOCAST_CALLS:
         ctx.report(AUTOCAST, node, name=name)
     for kw in node.keywords:
-        low_tf32 = kw.arg == "allow_tf32" and not (
-            isinstance(kw.value, ast.Constant) and kw.value.value is False
-        )
+        low_tf32 = kw.arg == "allow_tf32" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
         tf32_precision = (
             kw.arg == "input_precision"
             and isinstance(kw.value, ast.Constant)

@@ -187,9 +187,7 @@ _BUILDERS: dict[str, Callable[[Any, dict[str, Any]], object]] = {
     "re.Pattern[str]": lambda raw, ns: re.compile(_text(raw)),
     "int": lambda raw, ns: _number(raw),
     # [[modules name, rule name], ...]: both declared (so bound) before MODULE_RULES.
-    "tuple[tuple[tuple[str, ...], Rule], ...]": lambda raw, ns: tuple(
-        (ns[modules], ns[rule]) for modules, rule in raw
-    ),
+    "tuple[tuple[tuple[str, ...], Rule], ...]": lambda raw, ns: tuple((ns[modules], ns[rule]) for modules, rule in raw),
     # [[...]] tables of {pattern, rule}.
     "tuple[tuple[re.Pattern[str], Rule], ...]": lambda raw, ns: tuple(
         (re.compile(_text(entry["pattern"])), _rule(entry["rule"])) for entry in raw
@@ -208,14 +206,10 @@ def _bind(namespace: dict[str, Any]) -> None:
                 raise ValueError(f"rules.toml names {name} twice")
             found[name] = raw
     declared = {
-        name: kind
-        for name, kind in namespace["__annotations__"].items()
-        if name.isupper() and not name.startswith("_")
+        name: kind for name, kind in namespace["__annotations__"].items() if name.isupper() and not name.startswith("_")
     }
     if found.keys() != declared.keys():
-        raise ValueError(
-            f"rules.toml and rules.py disagree on {sorted(found.keys() ^ declared.keys())}"
-        )
+        raise ValueError(f"rules.toml and rules.py disagree on {sorted(found.keys() ^ declared.keys())}")
     for name, kind in declared.items():
         try:
             namespace[name] = _BUILDERS[kind](found[name], namespace)

@@ -54,15 +54,11 @@ def check_try(ctx: Context, node: ast.Try) -> None:
         if used:
             ctx.report(HANDLER_FALLBACK, handler, name=used)
         elif _handler_is_broad(ctx, handler) and _has_call(node.body):
-            label = (
-                "a bare except" if handler.type is None else "except " + ast.unparse(handler.type)
-            )
+            label = "a bare except" if handler.type is None else "except " + ast.unparse(handler.type)
             _report_swallow(ctx, handler, label, node.body)
 
 
-def _report_swallow(
-    ctx: Context, node: ast.AST, what: str, body: list[ast.stmt] | None = None
-) -> None:
+def _report_swallow(ctx: Context, node: ast.AST, what: str, body: list[ast.stmt] | None = None) -> None:
     hot = ctx.in_forward() or (body is not None and _launches_kernel(body))
     ctx.report(SWALLOW_AROUND_KERNEL if hot else SWALLOW, node, what=what)
 
@@ -99,11 +95,7 @@ def _computes(ctx: Context, body: list[ast.stmt]) -> str | None:
                 return f.id
             if isinstance(f, ast.Attribute):
                 inner = f.value
-                if (
-                    isinstance(inner, ast.Call)
-                    and isinstance(inner.func, ast.Name)
-                    and inner.func.id == "super"
-                ):
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and inner.func.id == "super":
                     return f"super().{f.attr}"
                 if f.attr in TENSOR_COMPUTE_METHODS and root(q) not in ("builtins", "math"):
                     return f".{f.attr}"

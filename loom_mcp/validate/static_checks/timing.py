@@ -57,8 +57,7 @@ def check_call(ctx: Context, call: Call) -> None:
             # A name or attribute is suspicious when it holds a created stream; any other
             # call is, unless it is the current/default stream (checked above).
             suspicious = (
-                isinstance(value, (ast.Name, ast.Attribute))
-                and ast.unparse(value) in ctx.stream_names
+                isinstance(value, (ast.Name, ast.Attribute)) and ast.unparse(value) in ctx.stream_names
             ) or isinstance(value, ast.Call)
             if suspicious:
                 ctx.report(STREAM_ARG, node, value=src(value))
