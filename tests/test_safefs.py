@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.sandbox import safefs
+from loom_mcp.sandbox import openat2, safefs
 
 REDTEAM = Path(__file__).parent / "redteam"
 VICTIM_TEXT = "victim: must never change\n"
@@ -27,9 +27,9 @@ def mode(request):
     """Every unit test runs with openat2 and with the O_NOFOLLOW component walk."""
     if request.param == "openat2" and not safefs.openat2_available():
         pytest.skip("openat2 is not available here")
-    safefs._use_fallback(request.param == "walk")
+    openat2._use_fallback(request.param == "walk")
     yield request.param
-    safefs._use_fallback(False)
+    openat2._use_fallback(False)
 
 
 @pytest.fixture

@@ -392,7 +392,7 @@ async def test_the_private_tmp_is_as_large_as_the_quota(tmp_path: Path) -> None:
 
 
 def test_disk_usage_counts_each_file_once_and_follows_no_link(tmp_path: Path) -> None:
-    from loom_mcp.sandbox.runner import disk_usage
+    from loom_mcp.sandbox.disk import disk_usage
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_bytes(b"x" * (1 << 20))
