@@ -152,7 +152,7 @@ def test_the_check_command_takes_set(setup):
 
 
 def test_the_table_scripts_candidates_are_kernelbench_candidates_the_judge_accepts_to_run():
-    """tools/kernelbench_table.py's two candidates for a problem: the Model renamed ModelNew
+    """benchmarks/kernelbench_table.py's two candidates for a problem: the Model renamed ModelNew
     everywhere (super(Model, self) included), and a torch.compile'd subclass of the renamed
     eager copy. Neither uses the task's Model, so no static check refuses them."""
     import importlib.util
@@ -162,7 +162,7 @@ def test_the_table_scripts_candidates_are_kernelbench_candidates_the_judge_accep
 
     from .conftest import REPO_ROOT
 
-    spec = importlib.util.spec_from_file_location("kernelbench_table", REPO_ROOT / "tools" / "kernelbench_table.py")
+    spec = importlib.util.spec_from_file_location("kernelbench_table", REPO_ROOT / "benchmarks" / "kernelbench_table.py")
     assert spec and spec.loader
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
@@ -184,7 +184,7 @@ def test_the_table_merges_earlier_runs_row_by_row(tmp_path):
 
     from .conftest import REPO_ROOT
 
-    spec = importlib.util.spec_from_file_location("kernelbench_table", REPO_ROOT / "tools" / "kernelbench_table.py")
+    spec = importlib.util.spec_from_file_location("kernelbench_table", REPO_ROOT / "benchmarks" / "kernelbench_table.py")
     assert spec and spec.loader
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)

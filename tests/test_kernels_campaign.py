@@ -1,4 +1,4 @@
-"""tools/kernels_campaign.py: the repository it builds, and one real run over stdio MCP."""
+"""benchmarks/kernels_campaign.py: the repository it builds, and one real run over stdio MCP."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tools" / "kernels_campaign.py"
+SCRIPT = ROOT / "benchmarks" / "kernels_campaign.py"
 
 
 def load_tool():

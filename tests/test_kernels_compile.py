@@ -53,11 +53,12 @@ def jit_kernels(module: ModuleType) -> dict[str, JITFunction]:
     return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
 
 
-# Files that hold Triton kernels: the tasks' candidates and the model program's fused ops.
+# Files that hold Triton kernels: the tasks' candidates and the model program's fused ops (not
+# the GPU probes under kernels/tools/).
 TRITON_FILES = sorted(
     path
     for path in KERNELS.glob("*/*.py")
-    if path.name != "task.py" and "@triton.jit" in path.read_text()
+    if path.parent.name != "tools" and path.name != "task.py" and "@triton.jit" in path.read_text()
 )
 
 

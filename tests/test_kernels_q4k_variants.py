@@ -1,6 +1,6 @@
 """The Q4_K GEMV's alternative tilings and its TF32 tensor-core variant: correct under Triton's
 interpreter (each candidate file's own self-check) and lowered to Hopper wgmma without spills.
-Which one is fastest is for `tools/sweep_q4k.py` on a GPU; these tests keep every variant the
+Which one is fastest is for `kernels/tools/sweep_q4k.py` on a GPU; these tests keep every variant the
 sweep can pick honest here."""
 
 from __future__ import annotations

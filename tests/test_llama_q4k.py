@@ -515,8 +515,8 @@ if __name__ == "__main__":
 
 
 def test_decode_attention_probe_describes_itself():
-    """tools/probe_decode_attention.py (gpu_session.sh `attention`) starts without a GPU."""
-    child = subprocess.run([sys.executable, str(REPO / "tools" / "probe_decode_attention.py"), "--help"],
+    """kernels/tools/probe_decode_attention.py (gpu_session.sh `attention`) starts without a GPU."""
+    child = subprocess.run([sys.executable, str(REPO / "kernels" / "tools" / "probe_decode_attention.py"), "--help"],
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert "decode attention" in child.stdout and "--replays" in child.stdout

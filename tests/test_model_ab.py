@@ -1,4 +1,4 @@
-"""tools/model_ab.py: the model program A/B'd through loom's own benchmark_command, over a real
+"""kernels/tools/model_ab.py: the model program A/B'd through loom's own benchmark_command, over a real
 stdio server, on the CPU (the tiny config): both arms run, every metric is compared, and the
 revisions each arm ran are reported."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "model_ab.py"
+TOOL = REPO / "kernels" / "tools" / "model_ab.py"
 
 
 def load_tool():
-    """tools/ as an import root, the way the tool itself finds kernels_campaign beside it."""
+    """kernels/tools/ as an import root; the tool puts benchmarks/ on sys.path for kernels_campaign."""
     if str(TOOL.parent) not in sys.path:
         sys.path.insert(0, str(TOOL.parent))
     return importlib.import_module("model_ab")

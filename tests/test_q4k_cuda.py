@@ -1,6 +1,6 @@
 """The q4k_gemv candidate's CUDA batch-1 kernel: its source builds for Hopper without spills
 (nvcc, here), and on a GPU it matches the float64 reference across shapes, activation ranges
-and CUDA-graph replay. Timing it: `python tools/probe_q4k_cuda.py` (gpu_session.sh `cuda`)."""
+and CUDA-graph replay. Timing it: `python kernels/tools/probe_q4k_cuda.py` (gpu_session.sh `cuda`)."""
 
 from __future__ import annotations
 
@@ -351,7 +351,7 @@ def test_programmatic_dependent_launches_read_each_result(candidate, monkeypatch
 def test_cuda_probe_describes_itself():
     pytest.importorskip("torch")
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "probe_q4k_cuda.py"), "--help"],
+        [sys.executable, str(REPO / "kernels" / "tools" / "probe_q4k_cuda.py"), "--help"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -361,8 +361,8 @@ def test_cuda_probe_describes_itself():
 
 def test_cuda_probe_variants_take_their_defaults_by_position():
     pytest.importorskip("torch")
-    sys.path.insert(0, str(REPO / "tools"))
-    probe = load("q4k_cuda_probe_variants", REPO / "tools" / "probe_q4k_cuda.py")
+    sys.path.insert(0, str(REPO / "kernels" / "tools"))
+    probe = load("q4k_cuda_probe_variants", REPO / "kernels" / "tools" / "probe_q4k_cuda.py")
     assert probe.parse_variant("3:2") == (3, 2, 2, 0)
     assert probe.parse_variant("3:2:3") == (3, 2, 3, 0)  # min_ctas given, still no cluster
     assert probe.parse_variant("0:0:2:2") == (0, 0, 2, 2)
@@ -372,10 +372,10 @@ def test_cuda_probe_variants_take_their_defaults_by_position():
 
 
 def test_stream_floor_pieces_cover_each_weight_exactly_once():
-    """tools/stream_floor_cuda.py times reads of the GEMV's bytes cut in pieces; every layout it
+    """kernels/tools/stream_floor_cuda.py times reads of the GEMV's bytes cut in pieces; every layout it
     times must cover each shape's Q4_K matrix exactly, or its floor means nothing."""
     pytest.importorskip("torch")
-    floor = load("stream_floor_cuda", REPO / "tools" / "stream_floor_cuda.py")
+    floor = load("stream_floor_cuda", REPO / "kernels" / "tools" / "stream_floor_cuda.py")
     for n, k in floor.SHAPES:
         row_bytes = k // 256 * 144
         layouts = floor.configurations(n, row_bytes)
@@ -389,10 +389,10 @@ def test_stream_floor_pieces_cover_each_weight_exactly_once():
 
 
 def test_ncu_summary_reads_a_real_h200_report():
-    """tools/ncu_q4k_gemv.py (gpu_session.sh `ncu`) turns ncu's CSV pages into the headline
+    """kernels/tools/ncu_q4k_gemv.py (gpu_session.sh `ncu`) turns ncu's CSV pages into the headline
     figures and the most-stalled instructions; the fixtures are trimmed from an H200 run of the
     integer-MMA kernel (ncu's columns differ between versions, so it goes by column name)."""
-    ncu = load("ncu_q4k_gemv", REPO / "tools" / "ncu_q4k_gemv.py")
+    ncu = load("ncu_q4k_gemv", REPO / "kernels" / "tools" / "ncu_q4k_gemv.py")
     fixtures = REPO / "tests" / "fixtures" / "ncu"
     lines = ncu.headlines((fixtures / "details_q4k_gemv_h200.csv").read_text())
     assert "Duration: 13.02 us" in lines
@@ -413,7 +413,7 @@ def test_cuda_probe_summary_of_a_recorded_h200_run():
     here on the eighth session's recorded H200 result."""
     import json
 
-    probe = load("probe_q4k_cuda_summary", REPO / "tools" / "probe_q4k_cuda.py")
+    probe = load("probe_q4k_cuda_summary", REPO / "kernels" / "tools" / "probe_q4k_cuda.py")
     recorded = json.loads((REPO / "tests" / "fixtures" / "probe" / "probe_q4k_cuda_h200.json").read_text())
     lines = probe.summary(recorded).splitlines()
     assert lines[0] == "checks: 11 of 11 passed"
@@ -430,7 +430,7 @@ def test_gpu_session_packs_what_the_device_would_not_return(tmp_path, files, pac
         path = out / f"phase{i % 3}" / "sub" / f"f{i}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(str(i))
-    done = subprocess.run(["bash", str(REPO / "tools" / "gpu_session.sh"), "pack"],
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), "pack"],
                           env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -445,10 +445,10 @@ def test_gpu_session_packs_what_the_device_would_not_return(tmp_path, files, pac
 
 @pytest.mark.parametrize("no_math", [False, True])
 def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_path, no_math):
-    # tools/timeline_q4k_gemv.py edits the kernel's text at fixed places; a kernel change that
+    # kernels/tools/timeline_q4k_gemv.py edits the kernel's text at fixed places; a kernel change that
     # moves one must fail here, not on the GPU machine
-    sys.path.insert(0, str(REPO / "tools"))
-    timeline = load("q4k_timeline_tool", REPO / "tools" / "timeline_q4k_gemv.py")
+    sys.path.insert(0, str(REPO / "kernels" / "tools"))
+    timeline = load("q4k_timeline_tool", REPO / "kernels" / "tools" / "timeline_q4k_gemv.py")
     source = timeline.instrument(candidate.CUDA_SOURCE, no_math)
     assert source.count("= now_ns()") == 7  # start, issue, x readable, x prepared, arrive, done, end
     assert ("if (false) {" in source) == no_math
@@ -467,12 +467,12 @@ def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_pa
 
 
 def test_timeline_summary_of_a_recorded_h200_run():
-    """tools/timeline_q4k_gemv.py's summary on records from an H200 (one replay, three chained
+    """kernels/tools/timeline_q4k_gemv.py's summary on records from an H200 (one replay, three chained
     PDL launches at 14336 x 4096, times shifted to start near zero, SM ids as recorded): the
     kernel as it is against the same kernel without its arithmetic."""
     np = pytest.importorskip("numpy")
-    sys.path.insert(0, str(REPO / "tools"))
-    timeline = load("q4k_timeline_summary", REPO / "tools" / "timeline_q4k_gemv.py")
+    sys.path.insert(0, str(REPO / "kernels" / "tools"))
+    timeline = load("q4k_timeline_summary", REPO / "kernels" / "tools" / "timeline_q4k_gemv.py")
     records = np.load(REPO / "tests" / "fixtures" / "timeline" / "q4k_gemv_h200_14336x4096.npz")
     kept = timeline.summarize(records["kept_14336x4096_pdl"], 8)
     bare = timeline.summarize(records["no_math_14336x4096_pdl"], 8)

@@ -1,4 +1,4 @@
-"""tools/sass_q4k_gemv.py: the CUDA GEMV's consumer loop found and counted in SASS, on a listing
+"""kernels/tools/sass_q4k_gemv.py: the CUDA GEMV's consumer loop found and counted in SASS, on a listing
 recorded from nvcc 13.0's sm_90 build of the batch-1 kernel and, where nvcc and cuobjdump are
 installed, on a fresh build of the candidate."""
 
@@ -17,7 +17,7 @@ LISTING = REPO / "tests" / "fixtures" / "sass" / "q4k_gemv_b1_sm90_loop.sass"
 
 @pytest.fixture(scope="module")
 def sass_tool():
-    spec = importlib.util.spec_from_file_location("sass_q4k_gemv", REPO / "tools" / "sass_q4k_gemv.py")
+    spec = importlib.util.spec_from_file_location("sass_q4k_gemv", REPO / "kernels" / "tools" / "sass_q4k_gemv.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

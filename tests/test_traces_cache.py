@@ -74,7 +74,7 @@ def test_make_large_trace_keeps_linking_exact(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(REPO / "tools" / "make_large_trace.py"),
+            str(REPO / "benchmarks" / "make_large_trace.py"),
             str(src),
             str(dst),
             "--copies",

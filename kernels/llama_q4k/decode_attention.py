@@ -45,10 +45,8 @@ from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.rope.candidate import round_to
 from kernels.silu_mul.candidate import gdc_launch_dependents, gdc_wait, pdl_launch
 
-# Cache positions per program. On the H200 (tools/probe_decode_attention.py, graph replays
-# over 32 layers' caches, PDL on): 4.84 us a call at 576 positions and 12.65 us at 4096 with 64
-# and 4 warps; 128 was faster (4.60 and 9.42 us) but spills registers at 4 and at 8 warps in
-# ptxas for sm_90, which tests/test_kernels_compile.py refuses.
+# Cache positions per program: 128 was faster on the H200 but spills registers at 4 and 8 warps
+# for sm_90, which tests/test_kernels_compile.py refuses (docs/kernels/decode_attention.md).
 CHUNK = 64
 LOG2_E = 1.4426950408889634
 # Read once, as @triton.jit does: whether the kernels below are interpreted (see `dot`).

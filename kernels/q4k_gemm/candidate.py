@@ -44,7 +44,7 @@ DEFAULT_CONFIG = DequantConfig(block_rows=4, block_kb=4, num_warps=4)
 
 
 def sweep_configs(m: int) -> list[DequantConfig]:
-    """The dequantization tilings `tools/sweep_q4k.py` tries (the matmul is cuBLAS's)."""
+    """The dequantization tilings `kernels/tools/sweep_q4k.py` tries (the matmul is cuBLAS's)."""
     return [
         DequantConfig(r, kb, w)
         for r, kb, w in [(1, 4, 2), (2, 4, 4), (4, 4, 4), (4, 8, 4), (8, 4, 8), (2, 8, 4)]

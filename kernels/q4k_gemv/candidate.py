@@ -5,16 +5,14 @@ weight at HBM speed. Two kernels:
 
 - Batch 1 on NVIDIA Hopper (sm_90): a CUDA kernel on the tensor cores' integer MMAs
   (`CUDA_SOURCE` below, built at first use with torch.utils.cpp_extension.load_inline; needs
-  nvcc and ninja). On an H200 it reads the 33 MB Llama-3-8B projections at 2.7 TB/s (2.97-3.18
-  TB/s launched as a programmatic dependent, as the model does), against 1.3-1.4 TB/s for the
-  Triton kernel. Where it cannot be built, the Triton kernel runs instead.
+  nvcc and ninja): on an H200 about twice the Triton kernel's bandwidth (figures in
+  docs/kernels/q4k_gemv.md). Where it cannot be built, the Triton kernel runs instead.
 - Batches 2-8 from 1024 weight rows, on NVIDIA Hopper: a second CUDA kernel with the same
   producer and ring whose MMA columns are the rows of x, so one launch reads the weight once
-  for the whole batch (2.6-3.6x faster than one batch-1 launch per row at batch 8). Where x of
-  the batch would leave room for one CTA per SM or none (K = 14336 from batch 2), it cuts K
-  into parts, each CTA holding x of its part only, and a small launch adds the parts
-  (`batched_k_parts`); where even that would not fit, batches of 4096 rows or more run the
-  batch-1 kernel once per row of x (`cuda_path`).
+  for the whole batch. Where x of the batch would leave room for one CTA per SM or none
+  (K = 14336 from batch 2), it cuts K into parts, each CTA holding x of its part only, and a
+  small launch adds the parts (`batched_k_parts`); where even that would not fit, batches of
+  4096 rows or more run the batch-1 kernel once per row of x (`cuda_path`).
 - Everything else (smaller weights at batch 2-8, AMD GPUs, the CPU interpreter): the Triton
   kernel, which does this:
 
@@ -36,7 +34,7 @@ A second kernel, `q4k_gemv_mma_kernel` (`GemvConfig(method="mma")`), hands the d
 fp32 weights to the tensor cores in TF32 instead: per weight only the shift, the mask-or and one
 FMA stay on the CUDA cores. It is correct under the interpreter and lowers to Hopper wgmma
 without spills; `pick_config` keeps the CUDA-core kernel, the faster one measured so far, until
-`tools/sweep_q4k.py` has timed this one on a GPU.
+`kernels/tools/sweep_q4k.py` has timed this one on a GPU.
 
 Where it runs: on a GPU tensor, the CUDA kernel at batch 1 on sm_90 (LOOM_Q4K_CUDA=0 turns it
 off; =1 also tries it on newer GPUs, where it has not been checked) and the Triton kernel
@@ -73,12 +71,10 @@ class GemvConfig(NamedTuple):
 
 
 def pick_config(n_rows: int, n_blocks: int, batch: int) -> GemvConfig:
-    """Small tiles, one warp, x loaded per weight row: the fastest of 40 configurations for
-    every Llama-3-8B shape at batch 1 in `tools/sweep_q4k.py` on an H200 (2026-11-30). K of
-    56 blocks (4096 x 14336) prefers 8 blocks per step, the others 16. Below 4096 rows, one row
-    per program: two would leave the H200's 132 SMs with under 4 one-warp programs each
-    (1024 x 4096, batch 1: 4.42 us against 6.40 us at two rows; at 4096 rows two stay faster,
-    8.47 us against 8.93 us; H200, fifth session)."""
+    """Small tiles, one warp, x loaded per weight row: the fastest tiling at batch 1 on an H200
+    (`kernels/tools/sweep_q4k.py`). K of 56 blocks (4096 x 14336) prefers 8 blocks per step, the
+    others 16. Below 4096 rows, one row per program: two would leave the H200's 132 SMs with
+    under 4 one-warp programs each (figures: docs/kernels/q4k_gemv.md)."""
     block_kb = 16 if n_blocks % 16 == 0 else 8
     block_kb = min(block_kb, triton.next_power_of_2(n_blocks))
     block_n = 2 if n_rows >= 4096 else 1
@@ -329,9 +325,8 @@ def q4k_gemv_mma_kernel(
 # instructions per weight), and Triton would not give the layout that fixes it. This kernel is
 # plain CUDA, built at first use with torch.utils.cpp_extension.load_inline (nvcc and ninja;
 # cached per source) and launched on PyTorch's current stream, so graph capture records it.
-# Per 16 rows x 256 weights its loop is 153 warp instructions with 8 integer MMAs where K is a
-# whole number of 2048-weight chunks (SASS of nvcc 13.0's build, cuobjdump), against about
-# 1,060 for the Triton kernel (8.3 thread instructions per weight):
+# Per 16 rows x 256 weights its loop is 153 warp instructions with 8 integer MMAs, against about
+# 1,060 for the Triton kernel (counts and the versions it replaced: docs/kernels/q4k_gemv.md):
 #
 # - A producer warp streams the weights through a ring of shared-memory chunks (16 rows x 8
 #   blocks, one 1152-byte bulk copy per row, counted on an mbarrier); eight consumer warps take
@@ -347,11 +342,7 @@ def q4k_gemv_mma_kernel(
 # - B's columns 2c and 2c + 1 hold the high and the low bytes of x of one sub-block of chunk c
 #   (zeros elsewhere): one chain of MMAs on the low nibbles gives every (row, even sub-block)
 #   sum of both bytes, one on the high nibbles every odd one, exactly in int32, and each lane
-#   holds exactly the sub-blocks whose scales it decodes. Eight MMAs per block; the twelfth
-#   session's kernel had the two bytes in separate chains (sixteen, and an unsigned low byte)
-#   and was 0.8-2.1 % slower under PDL at every Llama shape, with the same bits.
-# - An earlier version fed fp16 `1024 + q` codes to `m16n8k16` (two codes per LOP3 plus a
-#   shift per word): 236 instructions per block and 6-13 % slower on the H200.
+#   holds exactly the sub-blocks whose scales it decodes. Eight MMAs per block.
 CUDA_SOURCE = r"""
 // Q4_K GEMV, batch 1, on the tensor cores.
 #include <cuda_runtime.h>
@@ -598,9 +589,8 @@ q4k_gemv_b1_kernel(const unsigned char* __restrict__ W, const u16* __restrict__ 
   // x = unscale * (256 hi + lo). Sub-block layout (64 B): the 32 high
   // bytes in order, then the 32 low bytes. The per-sub-block float sum of x serves the min
   // term. Lane l takes values 8 (l % 4) .. + 7 of sub-block l / 4; eight blocks' loads are in
-  // flight at once (every block of a warp up to K = 16384). On the H200 that was 0.5-4 % faster
-  // than rounds of four under PDL at every Llama shape, and 2.5-3.8 % slower with plain launches
-  // at K = 14336 (ninth session, five interleaved runs).
+  // flight at once (every block of a warp up to K = 16384): faster than rounds of four under PDL
+  // on the H200 (docs/kernels/q4k_gemv.md).
   const int my_blocks = n_blocks > warp ? (n_blocks - warp + WARPS - 1) / WARPS : 0;
   {
     const int s = lane >> 2, part = lane & 3;
@@ -1056,21 +1046,10 @@ HOPPER_SHARED_PER_SM = 228 * 1024
 def cuda_stages(n_blocks: int, follows_small_kernel: bool = False) -> int:
     """Ring slots per CTA: three, and four from K = 8192 when the GEMV follows a small kernel.
 
-    What runs before the GEMV decides it. Launched as a programmatic dependent of a small
-    kernel (in the model: RMSNorm, attention, SwiGLU before the down projection, K = 14336),
-    its CTAs fit beside that kernel's and fill their rings before it ends, and a fourth slot
-    then holds 4 of a row's 7 chunks when x arrives: Llama-3-8B decode on the H200 (tenth
-    session, two interleaved runs each, tok/s, slots at K = 4096 / 14336) 3 / 3 555.7 and
-    554.7; 4 / 4 576.2 and 575.8; 4 / 3 550.0 and 549.6; 3 / 4 588.9 and 589.8; 5 / 4 585.7 and
-    585.8. Back to back with another GEMV (the task's timing, and a batch's rows), its CTAs
-    start only as the other's leave, and three slots were faster at K = 14336 every time they
-    were timed: ninth session 11.15 and 11.20 µs against 11.55 and 11.61 (PDL); twelfth
-    11.26-11.65 against 11.89-12.00; thirteenth 11.36 against 11.68. At K = 4096 two to four
-    slots were within 0.1 µs.
-
-    Four only while two CTAs still fit an SM (Hopper: 228 KB of shared memory, 1 KB of it
-    reserved per CTA), up to K = 16384: at K = 18944 (Qwen2-7B's down projection) a fourth
-    slot would leave one CTA per SM, which was much slower than two (ninth session)."""
+    After a small kernel its CTAs fill their rings before that kernel ends, so a fourth slot
+    holds more of a row when x arrives; back to back with another GEMV, three were faster. Four
+    only while two CTAs still fit an SM (Hopper: 228 KB of shared memory, 1 KB of it reserved
+    per CTA). Figures: docs/kernels/q4k_gemv.md."""
     if (
         follows_small_kernel
         and n_blocks >= 32
@@ -1106,15 +1085,9 @@ def items_before_wait(items: int, stages: int, follows_small_kernel: bool = Fals
     ahead of it has ended; the rest of its `items` (tile, chunk) pairs stream after.
 
     After a small kernel, the whole ring: nothing else is streaming then. Back to back with
-    another heavy kernel, a CTA whose work does not fit its ring starts with one chunk: the
-    next launch's CTAs start as the kernel ahead's leave, and what they stream before it ends
-    competes with its last CTAs, whose end every CTA of the next launch waits for. H200,
-    thirteenth session, one machine, PDL, three slots, µs at 4096² / 14336x4096 / 4096x14336 /
-    1024x4096 (two items per CTA at 4096² and 1024x4096, eight and seven at the 33 MB shapes),
-    whole ring / two chunks / one chunk before the wait: three rounds 4.48 / 4.49 / 4.53, 10.70
-    / 10.48 / 10.49, 11.74 / 11.61 / 11.54, 3.23 / 3.20 / 3.28; five rounds 4.50 / 4.49 /
-    4.55, 10.72 / 10.58 / 10.50, 11.66 / 11.56 / 11.38, 3.22 / 3.18 / 3.27. So one chunk
-    where the work outlasts the ring, the whole ring where it fits."""
+    another heavy kernel, a CTA whose work does not fit its ring starts with one chunk: what it
+    streams early competes with the kernel ahead's last CTAs, whose end it waits for (figures:
+    docs/kernels/q4k_gemv.md)."""
     if follows_small_kernel or items <= stages:
         return stages
     return 1
@@ -1166,11 +1139,8 @@ def batched_k_parts(n_blocks: int, batch: int, ctas_per_sm, n_rows: int = 0, sms
     the fewest parts that do (K = 14336, seven chunks: seven parts from batch 2; 1 where none
     does, as more parts only shrink a CTA). Then two equal parts from batch 4 where K is whole
     (less of x to make per CTA), and more equal parts while the tiles of `n_rows` would keep
-    fewer than half of the `sms` x CTAs-per-SM resident CTAs busy. H200, fourteenth session,
-    PDL, µs, whole K against two parts: K = 4096 batch 4 9.68 / 9.33 (4096²), 19.32 / 18.34
-    (14336x4096); batch 5 10.52 / 9.55, 20.78 / 19.30; batch 2 7.44 / 8.04 and 17.42 / 17.22;
-    1024x4096 (64 tiles) batch 2 5.68 / 3.98, batch 4 7.67 / 5.14; at K = 14336 seven parts
-    against four: batch 2 17.88 / 18.88, batch 4 19.40 / 21.10.
+    fewer than half of the `sms` x CTAs-per-SM resident CTAs busy (figures:
+    docs/kernels/q4k_gemv.md).
     `ctas_per_sm(k_parts)`: CTAs per SM with that cut (0: none fits); 1 where nothing fits.
     LOOM_Q4K_K_PARTS sets it for timing (`whole_parts` of it)."""
     chunks = -(-n_blocks // CUDA_CHUNK_BLOCKS)
@@ -1384,26 +1354,9 @@ def cuda_path(n_rows: int, batch: int, batched_ctas_per_sm: int) -> str | None:
     `batched_ctas_per_sm`: how many CTAs of the batched kernel fit an SM at this K and batch
     (0: it does not fit).
 
-    On the H200 (eleventh session, three interleaved rounds, µs, per-row launches against the
-    batched kernel launched plain / as a programmatic dependent), at 4096 x 4096 / 14336 x 4096
-    / 4096 x 14336 / 1024 x 4096 (there against Triton):
-    batch 2: 8.50 / 20.64 / 21.36 / 6.13 against 8.72 / 20.07 / 25.44 / 5.81 (PDL 7.52 / 18.15 /
-    24.30 / 5.77); batch 4: 15.90 / 38.88 / 40.52 / 12.57 against 10.57 / 21.60 / 32.50 / 7.75
-    (PDL 9.48 / 19.78 / 31.50 / 7.70); batch 8: 31.08 / 76.33 / - / 12.41 against 14.61 / 26.22 /
-    - / 11.79 (PDL 13.54 / 25.29 / - / 10.79). At K = 14336, x of batch 2 leaves room for one
-    CTA per SM, and there the batched kernel lost (also with two ring slots, which let two CTAs
-    in: 23.49, PDL 22.22); from batch 3 it won with one (4096 x 14336, per row against batched,
-    PDL: batch 3 30.34 against 27.33, batch 5 49.20 against 34.35); from batch 6 it does not
-    fit. Batches 6 and 7 at K = 4096 (one CTA per SM) won too: 4096 x 4096 batch 7 26.98
-    against 12.38. Per-row launches beat the Triton kernel from 4096 rows (tenth session: batch
-    8 at 4096 x 4096 30.9 against 60.1 µs) but not at 1024 x 4096 (26.4 against 12.3).
-
-    Since the batched kernel cuts K into parts where x would crowd out a second CTA per SM
-    (`batched_k_parts`), it holds two CTAs per SM at every Llama shape and batch, and won
-    everywhere (fourteenth session, three rounds, PDL, µs, cut / whole K / per-row launches):
-    4096 x 14336 batch 2 18.64 (7 parts) / 24.41 / 20.61, batch 4 19.66 / 31.07 / 38.69, batch 8
-    21.36 / does not fit / 75.12; K = 4096 at batch 8 (2 parts) 11.08 / 13.39 / 29.02 at 4096 x
-    4096, 20.30 / 25.16 / 73.94 at 14336 x 4096, 7.95 / 10.80 / 24.86 at 1024 x 4096."""
+    From 1024 weight rows, the batched kernel where two of its CTAs fit an SM (it cuts K so that
+    they do, `batched_k_parts`), or one from batch 3; else per-row launches from 4096 rows, which
+    beat the Triton kernel there but not at 1024 rows (figures: docs/kernels/q4k_gemv.md)."""
     if batch == 1:
         return "rows"
     if not 2 <= batch <= MAX_BATCH_PER_PROGRAM:

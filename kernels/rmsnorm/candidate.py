@@ -85,7 +85,7 @@ class RmsnormConfig(NamedTuple):
 
 def pick_config(n_rows: int, hidden: int) -> RmsnormConfig:
     """Rows per program so a program moves ~16 KB of x and there are still programs for every
-    SM; about 8 fp32 values per thread. (Untimed: `tools/sweep_q4k.py --only rmsnorm` times
+    SM; about 8 fp32 values per thread. (Untimed: `kernels/tools/sweep_q4k.py --only rmsnorm` times
     the alternatives on a GPU; one row per program at 16 warps measured 69 % of copy bandwidth.)"""
     block = triton.next_power_of_2(hidden)
     block_rows = 1

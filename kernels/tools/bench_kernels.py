@@ -19,9 +19,9 @@ smallest shape, wall-clock timing, two input sets, a few iterations, Triton unde
 interpreter (`TRITON_INTERPRET=1`). Its figures are not device figures.
 
 Usage:
-    python tools/bench_kernels.py                                   # every task and shape
-    python tools/bench_kernels.py --tasks rmsnorm q4k_gemv --shapes decode b8
-    python tools/bench_kernels.py --smoke --out /tmp/bk             # CPU check, < 2 min
+    python kernels/tools/bench_kernels.py                                   # every task and shape
+    python kernels/tools/bench_kernels.py --tasks rmsnorm q4k_gemv --shapes decode b8
+    python kernels/tools/bench_kernels.py --smoke --out /tmp/bk             # CPU check, < 2 min
 
 Writes bench_kernels.json (rewritten after each row, so a timeout leaves what was measured) and
 bench_kernels.md into --out (default $OUT, else the current directory), and prints the markdown.
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNELS_DIR = REPO / "kernels"
 
 MIB = 2**20

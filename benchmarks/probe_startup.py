@@ -1,7 +1,7 @@
 """Where a worker process's start-up time goes on this machine: bare interpreter, `import torch`,
 device initialisation, and the same worker inside loom's sandbox (namespaces, read-only mounts).
 
-    python tools/probe_startup.py [--reps 3]     # prints one line per variant, medians in seconds
+    python benchmarks/probe_startup.py [--reps 3]     # prints one line per variant, medians in seconds
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the CUDA batch-1 Q4_K GEMV's warps wait, instruction by instruction, under Nsight Compute.
 
-    python tools/ncu_q4k_gemv.py [--out DIR] [--shape 14336x4096]
+    python kernels/tools/ncu_q4k_gemv.py [--out DIR] [--shape 14336x4096]
 
 Runs `ncu` (full section set, real clocks, caches flushed before each replay, so the weight
 comes from HBM) on one launch of the kernel, then writes `gemv.ncu-rep`, the details page as
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADLINES = (
     "Duration",
     "SM Frequency",
@@ -37,7 +37,7 @@ HEADLINES = (
 
 
 def run_kernel(n: int, k: int, calls: int) -> None:
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
     from sweep_q4k import load
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The judge's own targets on a GPU (issue 3), printed as a table and written as JSON.
 
-    python tools/bench_judge.py [--out DIR] [--only fidelity,repeat,power,turnaround] [--tries 20]
+    python benchmarks/bench_judge.py [--out DIR] [--only fidelity,repeat,power,turnaround] [--tries 20]
 
 - fidelity: our benchmark median vs `ncu` gpu__time_duration median for three kernels >= 20 us
   (Triton add, cuBLAS bf16 GEMM, softmax); target within 3 %.

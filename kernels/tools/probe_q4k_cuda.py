@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Check and time the CUDA batch-1 Q4_K GEMV of kernels/q4k_gemv/candidate.py on a GPU.
 
-    python tools/probe_q4k_cuda.py [--out DIR] [--replays 30]
+    python kernels/tools/probe_q4k_cuda.py [--out DIR] [--replays 30]
 
 First every case below is checked against a float64 product of the gguf-exact dequantization
 (the task's own `check`): Llama shapes, odd row counts, short K, fp16 and bf16, and x scaled by
 64 and 1e-3, heavy-tailed, or with whole sub-blocks of zeros. Then the CUDA kernel and the
-Triton kernel are timed on the Llama-3-8B shapes the way tools/sweep_q4k.py times them: L2-cold
+Triton kernel are timed on the Llama-3-8B shapes the way kernels/tools/sweep_q4k.py times them: L2-cold
 rotating weights, one CUDA graph, median and P10/P90 over replays. The CUDA kernel is timed
 twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pdl", the model
 program's way: each call streams its weight while the one before it finishes). With

@@ -4,7 +4,7 @@ Copy k is shifted in time by k x (span of the source + 1 ms), and every id that 
 (`External id`, `correlation`, the ac2g flow `id`, Python ids, `Ev Idx`) is offset by
 k x a stride larger than any id in the source, so linking stays exact across copies.
 
-    python tools/make_large_trace.py SRC.json[.gz] DST.json --target-mb 1000 [--style kineto|compact]
+    python benchmarks/make_large_trace.py SRC.json[.gz] DST.json --target-mb 1000 [--style kineto|compact]
 
 `kineto` writes each event the way libkineto does (indented, several lines per event), which
 is what a real 1 GB trace looks like; `compact` writes one event per line.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: install the carried wheels, expose the console script, then run "$@".
-# Usage there: bash tools/device_setup.sh <command...>
+# Usage there: bash benchmarks/device_setup.sh <command...>
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # bin: ninja, for load_inline

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the time of one run_validation and one benchmark goes (per sandboxed step), for a task
-and candidate:  python tools/time_validation.py TASK CANDIDATE [SHAPE ...]"""
+and candidate:  python benchmarks/time_validation.py TASK CANDIDATE [SHAPE ...]"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where the CUDA Q4_K GEMV's time goes, CTA by CTA: a timeline from the GPU's global timer.
 
-    python tools/timeline_q4k_gemv.py [--out DIR] [--shapes 14336x4096,4096x14336] [--replays 5]
+    python kernels/tools/timeline_q4k_gemv.py [--out DIR] [--shapes 14336x4096,4096x14336] [--replays 5]
 
 The candidate's CUDA source is instrumented by text insertion at fixed anchors (the tool stops
 if one is missing) and built under its own name. Each CTA records, in nanoseconds of

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep the Q4_K kernels' tile configurations on a GPU and print effective bandwidth.
 
-    python tools/sweep_q4k.py [--out DIR] [--only gemv,gemm,rmsnorm,floor]
+    python kernels/tools/sweep_q4k.py [--out DIR] [--only gemv,gemm,rmsnorm,floor]
 
 Each configuration runs on rotating weight copies whose total exceeds 3x the L2 cache, inside
 one CUDA graph (so launch gaps and L2 hits do not flatter it); the figure is the median over
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def load(path: Path, name: str):

@@ -2,7 +2,7 @@
 # The GPU measurements still owed, in phases that each fit one 10-minute device call.
 #
 #   ../shared/device/wheels.sh orjson ijson filelock platformdirs gguf      # here, once
-#   bash tools/device_setup.sh bash tools/gpu_session.sh verify             # on the device (carry .whl)
+#   bash benchmarks/device_setup.sh bash benchmarks/gpu_session.sh verify  # on the device (carry .whl)
 #
 # Phases (outputs under $OUT/<phase>/, progress on stdout so a cut-off run still says where
 # it got):
@@ -19,7 +19,7 @@
 #               CUDA_CANDIDATE=path: another file in the candidate's place; CUDA_BATCH=N: batch N,
 #               Triton against one CUDA launch per row; CUDA_K_PARTS=1,2,7: the batched kernel
 #               also with K cut into those numbers of parts; CUDA_VARIANTS,
-#               CUDA_ROUNDS, CUDA_TIMEOUT: see tools/probe_q4k_cuda.py --help)
+#               CUDA_ROUNDS, CUDA_TIMEOUT: see kernels/tools/probe_q4k_cuda.py --help)
 #   ncu         Nsight Compute on that kernel ($NCU_SHAPE, default 14336x4096): where warps stall
 #   timeline    that kernel CTA by CTA from the global timer, with and without its arithmetic
 #               ($TIMELINE_SHAPES, default 14336x4096,4096x14336,4096x4096)
@@ -30,7 +30,7 @@
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
 #   pack        (also done after the last phase) the device returns at most 8 files from $OUT:
 #               more are packed into $OUT/session.tgz (tar xzf it where they land)
-# Several phases in one call: bash tools/gpu_session.sh verify turnaround kernels
+# Several phases in one call: bash benchmarks/gpu_session.sh verify turnaround kernels
 set -uo pipefail
 
 pack() {
@@ -54,33 +54,33 @@ case "$phase" in
     timeout 200 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -15 | tee "$out/pytest_gpu.txt"
     (time timeout 300 loom-mcp demo) > "$out/demo.txt" 2>&1; tail -12 "$out/demo.txt" ;;
   power)
-    timeout "${POWER_S:-560}" python3 tools/bench_judge.py --only power --tries "${TRIES:-10}" \
+    timeout "${POWER_S:-560}" python3 benchmarks/bench_judge.py --only power --tries "${TRIES:-10}" \
       --out "$out" 2> "$out/log.txt" | grep -v "^{" | tail -24 ;;
   startup)
-    timeout 200 python3 tools/probe_startup.py --reps 3 2>&1 | grep -v Warn | tee "$out/startup.txt" ;;
+    timeout 200 python3 benchmarks/probe_startup.py --reps 3 2>&1 | grep -v Warn | tee "$out/startup.txt" ;;
   turnaround|fidelity|repeat)
-    timeout 400 python3 tools/bench_judge.py --only "$phase" --out "$out" 2> "$out/log.txt" | grep -v "^ \|^{\|^}" | tail -20
+    timeout 400 python3 benchmarks/bench_judge.py --only "$phase" --out "$out" 2> "$out/log.txt" | grep -v "^ \|^{\|^}" | tail -20
     grep -v Warn "$out/log.txt" | tail -40 ;;
   sweep)
-    timeout 300 python3 tools/sweep_q4k.py --only gemv,rmsnorm --out "$out" | grep -v Warn | tail -30 ;;
+    timeout 300 python3 kernels/tools/sweep_q4k.py --only gemv,rmsnorm --out "$out" | grep -v Warn | tail -30 ;;
   floor)
-    timeout 200 python3 tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
+    timeout 200 python3 kernels/tools/sweep_q4k.py --only floor --out "$out" | grep -v Warn | tail -10 ;;
   cuda)
-    timeout "${CUDA_TIMEOUT:-400}" python3 tools/probe_q4k_cuda.py --out "$out" --rounds "${CUDA_ROUNDS:-1}" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} \
+    timeout "${CUDA_TIMEOUT:-400}" python3 kernels/tools/probe_q4k_cuda.py --out "$out" --rounds "${CUDA_ROUNDS:-1}" ${CUDA_VARIANTS:+--variants $CUDA_VARIANTS} \
       ${CUDA_AGAINST:+--against $CUDA_AGAINST} ${CUDA_CANDIDATE:+--candidate $CUDA_CANDIDATE} ${CUDA_BATCH:+--batch $CUDA_BATCH} ${CUDA_K_PARTS:+--k-parts $CUDA_K_PARTS} 2>&1 | grep -v Warn | tail -24 ;;
   ncu)
-    timeout 400 python3 tools/ncu_q4k_gemv.py --out "$out" --shape "${NCU_SHAPE:-14336x4096}" 2>&1 | grep -v Warn | tail -45 ;;
+    timeout 400 python3 kernels/tools/ncu_q4k_gemv.py --out "$out" --shape "${NCU_SHAPE:-14336x4096}" 2>&1 | grep -v Warn | tail -45 ;;
   timeline)
-    timeout 400 python3 tools/timeline_q4k_gemv.py --out "$out" ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | grep -v Warn | tail -30 ;;
+    timeout 400 python3 kernels/tools/timeline_q4k_gemv.py --out "$out" ${TIMELINE_SHAPES:+--shapes $TIMELINE_SHAPES} 2>&1 | grep -v Warn | tail -30 ;;
   stream)
-    OUT="$out" timeout 300 python3 tools/stream_floor_cuda.py 2>&1 | grep -v Warn | tail -40 ;;
+    OUT="$out" timeout 300 python3 kernels/tools/stream_floor_cuda.py 2>&1 | grep -v Warn | tail -40 ;;
   attention)
-    timeout 200 python3 tools/probe_decode_attention.py --out "$out" 2>&1 | grep -v Warn | cut -c1-600 ;;
+    timeout 200 python3 kernels/tools/probe_decode_attention.py --out "$out" 2>&1 | grep -v Warn | cut -c1-600 ;;
   kernels)
-    timeout 260 python3 tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
+    timeout 260 python3 kernels/tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
     tail -40 "$out/bench_kernels.log" ;;
   loop)
-    timeout 570 python3 tools/kernels_campaign.py --out "$out" --home /tmp/loom-kc ${LOOP_TASKS:+--tasks $LOOP_TASKS} 2>&1 \
+    timeout 570 python3 benchmarks/kernels_campaign.py --out "$out" --home /tmp/loom-kc ${LOOP_TASKS:+--tasks $LOOP_TASKS} 2>&1 \
       | grep -v "pairs,\|running [0-9]" | tail -60 ;;
   model)
     timeout 560 python3 -m kernels.llama_q4k.bench --random-config llama3-8b --gen 64 --runs 2 \

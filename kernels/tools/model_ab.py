@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A/B the Llama Q4_K model program through loom's own `benchmark_command`, over MCP.
 
-    python tools/model_ab.py --env LOOM_Q4K_STAGES=16:3,56:4 [--baseline-env K=V ...]
-    python tools/model_ab.py --baseline-revision HEAD~1 [--revision HEAD]
-    python tools/model_ab.py ... [--runs 5] [--warmup 1] [--out DIR] [--home DIR] -- BENCH ARGS
+    python kernels/tools/model_ab.py --env LOOM_Q4K_STAGES=16:3,56:4 [--baseline-env K=V ...]
+    python kernels/tools/model_ab.py --baseline-revision HEAD~1 [--revision HEAD]
+    python kernels/tools/model_ab.py ... [--runs 5] [--warmup 1] [--out DIR] [--home DIR] -- BENCH ARGS
 
 The two arms run `python -m kernels.llama_q4k.bench BENCH ARGS` from this checkout: with other
 environment settings (`--env` for the candidate, `--baseline-env` for the baseline; given as
@@ -33,8 +33,8 @@ from typing import Any
 
 import anyio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from kernels_campaign import ToolFailed, call, say, server_params  # noqa: E402
 
 GPU_BENCH = ["--random-config", "llama3-8b", "--gen", "64", "--runs", "2", "--reference", "none"]

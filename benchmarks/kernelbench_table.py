@@ -2,7 +2,7 @@
 """The judge on KernelBench: every problem of the given levels, unchanged, checked with two
 candidates each, written as JSON and as a Markdown table.
 
-    python tools/kernelbench_table.py KERNELBENCH [--levels 1,2] [--problems 12,40]
+    python benchmarks/kernelbench_table.py KERNELBENCH [--levels 1,2] [--problems 12,40]
         [--candidates copy,compile] [--set batch_size=2] [--timeout 300]
         [--out kernelbench.json] [--markdown docs/kernelbench.md] [--home DIR]
         [--merge EARLIER.json ...] [--stop-after SECONDS]
@@ -219,7 +219,7 @@ def write_outputs(meta: dict, rows: list[dict], out: Path, markdown: Path | None
     head = [
         "# The judge on KernelBench",
         "",
-        f"Produced by `tools/kernelbench_table.py` ({meta['kernelbench']}, levels "
+        f"Produced by `benchmarks/kernelbench_table.py` ({meta['kernelbench']}, levels "
         f"{meta['levels']}{', problems ' + meta['problems'] if meta.get('problems') else ''}) in "
         + "; ".join(f"{r['date']} on {r['device']} ({r['software']})" for r in meta.get("runs") or [meta])
         + ". Each row's checks are from one of these runs.",
@@ -240,7 +240,7 @@ def write_outputs(meta: dict, rows: list[dict], out: Path, markdown: Path | None
         "1e-4 for fp32) scaled to the output's size below that. `validation` names the failing "
         "checks, or gives the worst case's max abs error / the reference's own on that case.",
         "",
-        f"Reproduce: `{meta.get('command', 'python tools/kernelbench_table.py ...')}`",
+        f"Reproduce: `{meta.get('command', 'python benchmarks/kernelbench_table.py ...')}`",
         "",
         "| level | candidate | problems | validation passed | accepted | median check s |",
         "|---|---|---|---|---|---|",
@@ -278,7 +278,7 @@ async def run_table(args: argparse.Namespace) -> int:
             "candidates": kinds, "task_globals": task_globals, "timeout_s": args.timeout,
             "device": target.device.name, "software": target.software,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join(["python", "tools/kernelbench_table.py", *sys.argv[1:]])}
+            "command": " ".join(["python", "benchmarks/kernelbench_table.py", *sys.argv[1:]])}
     out = Path(args.out)
     markdown = Path(args.markdown) if args.markdown else None
     merged = merge_rows(args.merge)

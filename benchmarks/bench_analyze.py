@@ -1,6 +1,6 @@
 """Time analyze_trace_file on a (large) trace and report wall time and peak RSS.
 
-    python tools/bench_analyze.py /tmp/large_trace.json [--out-dir DIR] [--repeat N] [--cached CACHE]
+    python benchmarks/bench_analyze.py /tmp/large_trace.json [--out-dir DIR] [--repeat N] [--cached CACHE]
 
 Each run happens in a fresh child process so peak RSS (getrusage, RUSAGE_CHILDREN) belongs to
 that run alone. With --cached, a second run through analyze_trace_cached is timed as well.

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Streaming floors of the Q4_K GEMV's CUDA structure, on a GPU (sm_90).
 
-    python tools/stream_floor_cuda.py        # writes $OUT/stream_floor_cuda.json
+    python kernels/tools/stream_floor_cuda.py        # writes $OUT/stream_floor_cuda.json
 
 The q4k_gemv CUDA kernel streams weights with a producer warp (bulk copies into a ring of
 shared-memory slots, full/empty mbarriers) and eight consumer warps. This kernel keeps exactly
 that and drops the arithmetic: consumers read one word per chunk and release it. It times the
 Llama-3-8B GEMV byte counts as 16 strided row segments per chunk (the GEMV's layout) and as
-flat contiguous pieces, by piece size, ring slots and CTAs per SM, the way tools/sweep_q4k.py
+flat contiguous pieces, by piece size, ring slots and CTAs per SM, the way kernels/tools/sweep_q4k.py
 times kernels (L2-cold rotating buffers, one CUDA graph). The gap between these floors and the
 GEMV is what its arithmetic costs.
 """

@@ -2,7 +2,7 @@
 """Server footprint over real stdio: cold start to the first tools/list answer, device_info
 round-trip latency after warm-up, and the server process's RSS.
 
-    python tools/bench_server.py [--runs 5] [--calls 200] [--json]
+    python benchmarks/bench_server.py [--runs 5] [--calls 200] [--json]
 
 Targets (issue 2): cold start <= 1.5 s, device_info p50 <= 20 ms, RSS <= 150 MB.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA Q4_K GEMV's consumer loop in SASS, counted without a GPU.
 
-    python tools/sass_q4k_gemv.py [--candidate PATH] [--kernel b1|bn] [--sass FILE]
+    python kernels/tools/sass_q4k_gemv.py [--candidate PATH] [--kernel b1|bn] [--sass FILE]
 
 Builds the candidate's `CUDA_SOURCE` with `nvcc -cubin` for sm_90 (as the kernel object builds
 it: -O3, MIN_CTAS=2), disassembles one kernel with `cuobjdump -sass`, finds the loop around its
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KERNELS = {  # kernel -> mangled name (the signatures of kernels/q4k_gemv/candidate.py)
     "b1": "_Z18q4k_gemv_b1_kernelILb1EEvPKhPKtPtiiiii",  # K a whole number of chunks
     "b1_partial": "_Z18q4k_gemv_b1_kernelILb0EEvPKhPKtPtiiiii",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A vs A on CPU: how often the gate accepts a candidate identical to its baseline.
 
-    python tools/cpu_bias.py [--tries 20] [--out DIR] [--gate 'wall_clock_max_blocks = 6' ...]
+    python benchmarks/cpu_bias.py [--tries 20] [--out DIR] [--gate 'wall_clock_max_blocks = 6' ...]
 
 Times a softmax task against itself `tries` times through the judge (judge.run_benchmark, then
 gate.decide with accept_wall_clock = true, as submit_candidate would), and prints each try's

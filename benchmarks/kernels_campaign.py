@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Judge the built-in kernel candidates with loom's own loop, over the real MCP protocol.
 
-    python tools/kernels_campaign.py [--tasks rmsnorm,silu_mul,...] [--out DIR] [--home DIR]
+    python benchmarks/kernels_campaign.py [--tasks rmsnorm,silu_mul,...] [--out DIR] [--home DIR]
                                      [--timeout S] [--max-shapes N]
 
 It copies `kernels/` into a fresh git repository (every file committed except the candidates
@@ -79,7 +79,7 @@ def select_tasks(requested: str | None, kernels: Path) -> tuple[list[str], list[
 
 SHAPE_LIMIT = """
 
-# ---- added by tools/kernels_campaign.py for a CPU run: Triton's interpreter takes minutes per
+# ---- added by benchmarks/kernels_campaign.py for a CPU run: Triton's interpreter takes minutes per
 # call at the real shapes, so only the {n} cheapest shapes (by bytes_moved) are judged here.
 # Written out as a literal: the server reads SHAPES without running the file.
 SHAPES = {shapes}
@@ -122,11 +122,11 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def make_repo(workdir: Path, kernels: Path, tasks: list[str], max_shapes: int) -> tuple[Path, str]:
-    """A fresh repository holding kernels/: all committed but the judged candidates. Returns (repo, HEAD)."""
+    """A fresh repository holding kernels/ (not its tools/): all committed but the judged candidates. Returns (repo, HEAD)."""
     repo = workdir / "repo"
     repo.mkdir(parents=True)
     shutil.copytree(
-        kernels, repo / "kernels", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        kernels, repo / "kernels", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "tools")
     )
     if max_shapes > 0:
         for task in tasks:

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Check and time the model program's decode attention (kernels/llama_q4k/decode_attention.py).
 
-    python tools/probe_decode_attention.py [--out DIR]
+    python kernels/tools/probe_decode_attention.py [--out DIR]
 
 At Llama-3-8B's attention (32 query heads, 8 KV heads of 128, bf16, batch 1): first each
 variant's output and cache write are checked against the framework's path (rope_cache, then
-scaled_dot_product_attention with a position mask); then each is timed as tools/sweep_q4k.py
+scaled_dot_product_attention with a position mask); then each is timed as kernels/tools/sweep_q4k.py
 times kernels: one call per layer's cache (32 caches, more than L2 holds) captured in one CUDA
 graph, median and P10/P90 per call over replays. Variants: cache positions per program (chunk)
 and warps per program, with programmatic dependent launch on and off (LOOM_Q4K_PDL).
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sweep_q4k import time_rotating  # noqa: E402
 
 from kernels.llama_q4k.decode_attention import decode_attention, torch_decode_attention  # noqa: E402
