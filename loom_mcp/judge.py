@@ -44,6 +44,7 @@ from loom_mcp.models import (
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DEVICE_METER, DeviceLease
 from loom_mcp.sandbox.runner import Progress
+from loom_mcp.sandbox.sources import code_digest
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
 from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
@@ -98,7 +99,7 @@ def validation_reuse_key(
     device = target.device
     material = {
         "task": hashlib.sha256(safefs.read_resolved_bytes(task)).hexdigest(),
-        "candidate": hashlib.sha256(safefs.read_resolved_bytes(candidate)).hexdigest(),
+        "candidate": code_digest(candidate),  # with its declared SOURCES
         "seeds": seeds,
         "shapes": sorted(shapes) if shapes else None,
         "device": [target.torch_device, device.vendor, device.name, device.uuid, device.driver_version],

@@ -24,6 +24,7 @@ from loom_mcp.models import Budgets, SubmitResult
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DeviceLease
 from loom_mcp.sandbox.runner import Progress
+from loom_mcp.sandbox.sources import declared_sources
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 
 log = logging.getLogger("loom_mcp")
@@ -112,8 +113,13 @@ def check_budgets(ledger: Ledger, campaign: dict, ceiling: Budgets | None = None
 
 
 def _frozen_outside_change(candidate: Path) -> gitops.FrozenChange:
-    """A candidate file outside the repo is committed under loom_candidates/ when accepted."""
+    """A candidate file outside the repo (and the sources it declares, in their places beside
+    it) is committed under loom_candidates/ when accepted."""
     files: dict[str, str | None] = {f"loom_candidates/{candidate.name}": safefs.read_resolved_text(candidate)}
+    for source in declared_sources(candidate):
+        rel = source.relative_to(candidate.parent).as_posix()
+        data = _source_bytes(safefs.read_resolved_bytes(source), source, "declared source")
+        files[f"loom_candidates/{rel}"] = data.decode("utf-8")
     return gitops.FrozenChange(files=files, patch="", digest=gitops.change_digest(files))
 
 
@@ -191,7 +197,9 @@ async def submit_candidate(
         check_budgets(ledger, campaign, config.budgets)
         cand_rel = _relative_in(repo, cand_path)
         if cand_rel is not None:
-            wanted = sorted({cand_rel, *(paths or [])})
+            # The sources the candidate declares are part of it: frozen with it, unasked.
+            sources = [_relative_in(repo, p) for p in declared_sources(cand_path)]
+            wanted = sorted({cand_rel, *(paths or []), *(s for s in sources if s is not None)})
             change = gitops.freeze_change(repo, campaign["base_commit"], wanted)
         else:
             change = _frozen_outside_change(cand_path)

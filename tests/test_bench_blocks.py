@@ -19,7 +19,8 @@ import pytest
 from mcp import Client
 from pydantic import ValidationError
 
-from loom_mcp.bench.runner import block_shapes, merge_block, pin_to_cpu, unique_findings
+from loom_mcp.bench.arm_procs import pin_to_cpu
+from loom_mcp.bench.blocks import block_shapes, merge_block, unique_findings
 from loom_mcp.bench.stats import (
     analyze_shapes,
     block_log_ratios,

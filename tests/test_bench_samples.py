@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from loom_mcp.bench.runner import samples_agree, shape_disagrees
+from loom_mcp.bench.output_check import samples_agree, shape_disagrees
 
 torch = pytest.importorskip("torch")
 

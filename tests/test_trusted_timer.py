@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from loom_mcp.bench.runner import (
+from loom_mcp.bench.trusted import (
     OWN_TIMING_ALLOWANCE,
     flag_disagreement,
     subtract_overhead,
@@ -132,7 +132,7 @@ async def test_what_an_arm_sends_is_its_own_failure_never_the_servers(tmp_path, 
     the candidate is charged for), and a forged quit reply cannot break the benchmark's cleanup."""
     import anyio
 
-    from loom_mcp.bench.runner import ArmConnection, ArmError, farewell
+    from loom_mcp.bench.arms import ArmConnection, ArmError, farewell
     from loom_mcp.worker.guard import findings
 
     path = tmp_path / "s.sock"

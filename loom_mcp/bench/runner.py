@@ -26,17 +26,10 @@ import anyio
 from loom_mcp.bench.arm_procs import IdleWatch, busy_finding, pin_to_cpu
 from loom_mcp.bench.arms import ArmConnection, ArmError, farewell
 from loom_mcp.bench.blocks import block_shapes, merge_block, unique_findings
-from loom_mcp.bench.output_check import samples_agree, shape_disagrees
 from loom_mcp.bench.pairs import run_pairs
 from loom_mcp.bench.proof import declared_kernels
 from loom_mcp.bench.stats import analyze_shapes, more_blocks_needed
-from loom_mcp.bench.trusted import (
-    OWN_TIMING_ALLOWANCE,
-    flag_disagreement,
-    subtract_overhead,
-    trusted_geomean_of,
-    trusted_pairs,
-)
+from loom_mcp.bench.trusted import flag_disagreement, trusted_geomean_of
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples, TimerKind
 from loom_mcp.models import DevicePeak
@@ -44,25 +37,8 @@ from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, safefs, warm
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
+from loom_mcp.sandbox.sources import code_files
 from loom_mcp.worker.guard import findings as guard_findings
-
-# Imported from here by tests; they live in the modules named above.
-__all__ = [
-    "OWN_TIMING_ALLOWANCE",
-    "ArmConnection",
-    "ArmError",
-    "benchmark_candidate",
-    "block_shapes",
-    "farewell",
-    "flag_disagreement",
-    "merge_block",
-    "pin_to_cpu",
-    "samples_agree",
-    "shape_disagrees",
-    "subtract_overhead",
-    "trusted_pairs",
-    "unique_findings",
-]
 
 log = logging.getLogger("loom_mcp.bench")
 GRAPH_BELOW_S = 50e-6  # eager launch gaps distort kernels shorter than this: replay a graph
@@ -125,7 +101,16 @@ async def benchmark_candidate(
         "baseline": (baseline or task, "ModelNew" if baseline else "Model"),
         "candidate": (candidate, "ModelNew"),
     }
-    declared = declared_kernels(safefs.read_resolved_text(candidate))
+
+    def arm_code(module: Path) -> list[Path]:
+        """What an arm may read of its module's directory: the task's whole directory (the
+        human's), a candidate's file and its declared sources only."""
+        return [module.parent] if module == task else code_files(module)
+
+    # Kernels the candidate or a Python source it declares defines: the proof looks for them.
+    declared = {
+        k for path in code_files(candidate) for k in declared_kernels(safefs.read_resolved_text(path, errors="replace"))
+    }
     if device != "cpu" and declared:
         # The proof of execution runs in a third process of the candidate's: its profiler's
         # start-up (4-5 s on the H200 host) overlaps the timing instead of following it, and the
@@ -236,7 +221,7 @@ async def benchmark_candidate(
                         writable=[cache, *slots],
                         visible_devices=visible,
                         # read-only: an arm may connect to the sockets there, never replace one
-                        readable=[Path(module).parent, prep_worker.job_dir, sock_dir, exchange / "in"],
+                        readable=[*arm_code(Path(module)), prep_worker.job_dir, sock_dir, exchange / "in"],
                         shm_dir=shm_dir,
                         timeout_s=timeout_s,
                         request={

@@ -21,6 +21,7 @@ from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, T
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, policy, run_job, safefs
 from loom_mcp.sandbox.runner import Progress, limit_error
+from loom_mcp.sandbox.sources import code_files
 from loom_mcp.store import ArtifactStore
 
 Language = Literal["triton", "cuda", "hip"]
@@ -177,7 +178,8 @@ async def _compile_triton(
             job_dir=job_dir,
             env={**env, **code_cache_env(cache)},
             writable=[cache],
-            readable=[source.parent, *([task.parent] if task else [])],  # the file imports siblings
+            # the candidate and the sources it declares; the task's directory (it imports siblings)
+            readable=[*code_files(Path(source)), *([task.parent] if task else [])],
             visible_devices=visible,
             timeout_s=timeout_s,
             request={

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,11 +13,11 @@ def code_cache(job_dir: Path, code: Path) -> Path:
     shared by every job running the same bytes, so the compile step's kernels are reused by
     validation and the benchmark, and private to those bytes, so no other file's code can
     plant binaries there. `job_dir` is a top-level job directory (LOOM_HOME/jobs/<run>)."""
-    from loom_mcp.sandbox.safefs import read_resolved_bytes
+    from loom_mcp.sandbox.sources import code_digest
 
-    # `code` is an agent's file, resolved and checked by the caller: read without following a
-    # link swapped in since.
-    digest = hashlib.sha256(read_resolved_bytes(code)).hexdigest()[:24]
+    # `code` is an agent's file, resolved and checked by the caller: read (with the sources it
+    # declares) without following a link swapped in since.
+    digest = code_digest(code)[:24]
     return job_dir.resolve().parent.parent / "cache" / "triton" / digest
 
 

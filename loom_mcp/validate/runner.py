@@ -39,6 +39,7 @@ from loom_mcp.sandbox import (
 )
 from loom_mcp.sandbox.job import MODEL_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
+from loom_mcp.sandbox.sources import code_files
 from loom_mcp.validate.static_checks import check_candidate_source
 from loom_mcp.worker.guard import findings as guard_findings
 from loom_mcp.worker.protocol import publish_go
@@ -74,6 +75,18 @@ def _job_failure(name: str, job: JobResult) -> str:
     return f"the {name} process {job.failure()}"
 
 
+def static_findings(candidate: Path) -> list[Finding]:
+    """The static checks over the candidate and each Python source it declares (its code too);
+    it has a kernel when any of them has one."""
+    per_file = [
+        check_candidate_source(safefs.read_resolved_text(path, errors="replace"), str(path))
+        for path in code_files(candidate)
+        if path == candidate or path.suffix == ".py"
+    ]
+    has_kernel = any(not any(f.check == "static.no_kernel" for f in found) for found in per_file)
+    return [f for found in per_file for f in found if not (has_kernel and f.check == "static.no_kernel")]
+
+
 async def validate_candidate(
     *,
     task: Path,
@@ -93,7 +106,7 @@ async def validate_candidate(
         if progress:
             await progress(message)
 
-    findings: list[Finding] = list(check_candidate_source(safefs.read_resolved_text(candidate), str(candidate)))
+    findings = static_findings(candidate)
     job_dir.mkdir(parents=True, exist_ok=True)
     device, env, visible = job_placement(device)
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
@@ -129,7 +142,7 @@ async def validate_candidate(
         job_dir=job_dir / "cand",
         env={**env, "LOOM_GO_SIGNER": token, **code_cache_env(cand_cache), **MODEL_JOB_ENV},
         # its root holds its own directory (the candidate imports siblings) and the inputs
-        readable=[candidate.parent, reference.job_dir],
+        readable=[*code_files(candidate), reference.job_dir],
         writable=[cand_cache],
         visible_devices=visible,
         timeout_s=timeout_s,

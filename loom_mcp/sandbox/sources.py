@@ -1,0 +1,93 @@
+"""The files a candidate is made of: itself, and the sibling sources its `SOURCES` lists.
+
+A candidate may keep its CUDA source, headers or Python helpers beside it:
+
+    SOURCES = ["gemv.cu", "gemv.h", "launch_policy.py"]
+
+Paths are relative to the candidate's directory, below it, regular files reached through no
+symlink. A job sees exactly these files of that directory (nothing else the agent keeps there),
+and they are hashed with the candidate wherever its bytes identify evidence (the validation
+reuse key, the compile cache) and frozen with it on submit. An undeclared sibling is not there
+to import, so evidence of one version cannot be reused for another.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path, PurePosixPath
+
+from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.sandbox import safefs
+
+MAX_SOURCES = 64
+SOURCES_NAME = "SOURCES"
+
+
+def _declared_names(code: Path) -> list[str]:
+    if code.suffix != ".py":
+        return []
+    try:
+        tree = ast.parse(safefs.read_resolved_text(code), filename=str(code))
+    except SyntaxError:
+        return []  # the candidate's own import reports it, with its line
+    for stmt in tree.body:
+        if (
+            isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SOURCES_NAME for t in stmt.targets)
+        ) or (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == SOURCES_NAME):
+            try:
+                value = ast.literal_eval(stmt.value) if stmt.value is not None else None
+            except ValueError:
+                value = None
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise LoomError(
+                    ErrorCode.BAD_INPUT,
+                    f"{code}:{stmt.lineno}: {SOURCES_NAME} must be a literal list of relative paths "
+                    '(e.g. SOURCES = ["gemv.cu", "gemv.h"])',
+                )
+            return list(value)
+    return []
+
+
+def declared_sources(code: Path) -> list[Path]:
+    """The sibling sources `code` declares, checked: relative, below its directory, regular
+    files through no symlink, at most MAX_SOURCES of them. `code` is resolved and checked."""
+    names = _declared_names(code)
+    if len(names) > MAX_SOURCES:
+        raise LoomError(ErrorCode.BAD_INPUT, f"{code}: {SOURCES_NAME} lists {len(names)} files; at most {MAX_SOURCES}")
+    found: list[Path] = []
+    for name in names:
+        rel = PurePosixPath(name)
+        if not name or rel.is_absolute() or ".." in rel.parts or str(rel) in (".", ""):
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"{code}: {SOURCES_NAME} entry {name[:200]!r} must be a path below the candidate's directory",
+            )
+        path = code.parent / rel
+        try:
+            safefs.check_resolved_file(path, safefs.MAX_SOURCE_BYTES)
+        except LoomError as exc:  # missing, a link, not a regular file, too big
+            raise LoomError(exc.code, f"{SOURCES_NAME} of {code}: {exc.message}") from exc
+        if path != code and path not in found:
+            found.append(path)
+    return found
+
+
+def code_files(code: Path) -> list[Path]:
+    """`code` and its declared sources: what a job running it may read of its directory."""
+    return [code, *declared_sources(code)]
+
+
+def code_digest(code: Path) -> str:
+    """sha256 over `code`'s bytes and each declared source's name and bytes. For a candidate that
+    declares none it is the file's own sha256, so earlier keys stay valid."""
+    own = safefs.read_resolved_bytes(code)
+    sources = declared_sources(code)
+    if not sources:
+        return hashlib.sha256(own).hexdigest()
+    h = hashlib.sha256(own)
+    for path in sources:
+        data = safefs.read_resolved_bytes(path)
+        rel = path.relative_to(code.parent).as_posix().encode()
+        h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()

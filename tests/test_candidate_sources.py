@@ -1,0 +1,113 @@
+"""A candidate made of several files: the sources its SOURCES lists are what its jobs see of its
+directory, are frozen with it on submit, and are part of its identity, so passed evidence for
+one version of a helper is never reused for another. Through MCP, on CPU."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import git
+import pytest
+from mcp import Client
+
+from loom_mcp.config import load_config
+from loom_mcp.server import build_server
+
+from .conftest import campaign_workspace
+
+DEMO = resources.files("loom_mcp") / "demo_data"
+GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_time_s = 1.5\nmin_time_s = 0.5\n"
+
+SPLIT = '''
+import torch
+
+from norm_helper import fused
+
+SOURCES = ["norm_helper.py"]
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, hidden: int = 4096):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        return fused(x, self.weight)
+'''
+HONEST = '''
+import torch
+
+
+def fused(x, w):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
+'''
+CHEAT = '''
+import torch
+
+
+def fused(x, w):
+    return torch.zeros_like(x)
+'''
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    files = {"task.py": (DEMO / "task.py").read_text(), "split.py": SPLIT, "norm_helper.py": HONEST,
+             "undeclared.py": SPLIT.replace('SOURCES = ["norm_helper.py"]\n', ""),
+             "escapes.py": SPLIT.replace('["norm_helper.py"]', '["../outside.py"]'),
+             "spawns.py": SPLIT.replace("norm_helper", "spawn_helper"),
+             "spawn_helper.py": HONEST.replace("import torch\n", "import subprocess\nimport torch\n")}
+    return campaign_workspace(tmp_path, files, GATE)
+
+
+async def validate(client, repo, candidate: str) -> dict:
+    result = await client.call_tool("run_validation", {"task": str(repo / "task.py"),
+                                                       "candidate": str(repo / candidate)})
+    assert result.is_error is False, result.content
+    return result.structured_content
+
+
+@pytest.mark.anyio
+async def test_declared_sources_are_seen_and_undeclared_ones_are_not(workspace):
+    repo, home = workspace
+    async with Client(build_server(load_config(home))) as client:
+        split = await validate(client, repo, "split.py")
+        undeclared = await validate(client, repo, "undeclared.py")
+        escapes = await client.call_tool("run_validation", {"task": str(repo / "task.py"),
+                                                            "candidate": str(repo / "escapes.py")})
+        spawns = await validate(client, repo, "spawns.py")
+    assert split["passed"], split["findings"]
+    # A declared Python source is the candidate's code: the static checks read it too.
+    assert not spawns["passed"]
+    assert any(f["where"] and "spawn_helper.py" in f["where"] and f["severity"] == "error"
+               for f in spawns["findings"]), spawns["findings"]
+    assert not undeclared["passed"]
+    assert "norm_helper" in str(undeclared), undeclared
+    assert escapes.is_error is True
+    assert "[BAD_INPUT]" in escapes.content[0].text and "SOURCES" in escapes.content[0].text
+
+
+@pytest.mark.anyio
+async def test_a_changed_source_is_validated_again_and_frozen_with_the_candidate(workspace):
+    repo, home = workspace
+    async with Client(build_server(load_config(home))) as client:
+        campaign = await client.call_tool("start_campaign", {"repo": str(repo), "goal": "split rmsnorm"})
+        cid = campaign.structured_content["campaign_id"]
+        checked = await validate(client, repo, "split.py")
+        assert checked["passed"], checked["findings"]
+        (repo / "norm_helper.py").write_text(CHEAT)  # same split.py bytes, another helper
+        submitted = await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"), "candidate": str(repo / "split.py")})
+        (repo / "norm_helper.py").write_text(HONEST)
+        accepted = await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"), "candidate": str(repo / "split.py")})
+    assert submitted.is_error is False, submitted.content
+    result = submitted.structured_content
+    assert result["validation_id"] != checked["validation_id"]
+    assert result["verdict"] == "reject"
+    assert "validation.mismatch" in result["reason_codes"], result["reason_codes"]  # the zeros ran
+    assert accepted.is_error is False, accepted.content
+    assert accepted.structured_content["verdict"] == "accept", accepted.structured_content["reasons"]
+    commit = git.Repo(repo).commit(f"loom/{cid}")
+    assert {"split.py", "norm_helper.py"} <= set(commit.stats.files)  # frozen with it, unasked
+    assert (commit.tree / "norm_helper.py").data_stream.read().decode() == HONEST
