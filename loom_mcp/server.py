@@ -13,14 +13,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
-import orjson
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
-from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
@@ -42,7 +39,8 @@ from loom_mcp.models import (
     SubmitResult,
 )
 from loom_mcp.profiling.analysis import AnalyzeTraceResult
-from loom_mcp.runtime import CallScope, Services, config_notes, open_services, recorded
+from loom_mcp.runtime import CallScope, Services, open_services, recorded
+from loom_mcp.server_base import LoomServer
 
 log = logging.getLogger("loom_mcp")
 
@@ -65,51 +63,15 @@ TaskGlobals = Annotated[
         '{"batch_size": 2}; default: the campaign\'s',
     ),
 ]
+CampaignId = Annotated[
+    str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
+]
+CampaignRef = Annotated[str, Field(description="From start_campaign")]
 
 # Hints at their spec defaults (readOnly false, idempotent false; destructive/idempotent mean
 # nothing for a read-only tool) are left out: every tools/list byte is agent context.
 READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 RECORDS = ToolAnnotations(destructive_hint=False, open_world_hint=False)
-
-
-class LoomServer(MCPServer):
-    """MCPServer whose argument mistakes come back coded: unknown tools [NOT_FOUND], arguments
-    that fail the tool's schema (or that it does not take) [BAD_INPUT] naming them, relative
-    paths resolved against the named campaign's repository or refused."""
-
-    services: Services | None = None
-
-    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
-        from pydantic import ValidationError
-
-        from loom_mcp.tool_contract import absolute_paths, argument_error
-
-        tool = self._tool_manager.get_tool(name)
-        if tool is None:
-            known = ", ".join(t.name for t in self._tool_manager.list_tools())
-            raise ToolError(f"[NOT_FOUND] no tool {name[:100]!r}; the tools are: {known}")
-        try:
-            if self.services is not None:
-                ledger = self.services.ledger
-
-                def campaign_repo(campaign_id: str) -> Path | None:
-                    row = ledger.campaign(campaign_id)
-                    return Path(row["repo"]) if row else None
-
-                arguments = absolute_paths(
-                    name, arguments, campaign_repo, known_id=lambda value: ledger.run(value) is not None
-                )
-            return await super().call_tool(name, arguments, context)
-        except LoomError as exc:
-            raise ToolError(f"Error executing tool {name}: {exc}") from exc
-        except ToolError as exc:
-            if not isinstance(exc.__cause__, ValidationError):
-                raise
-            fields = tool.fn_metadata.arg_model.model_fields
-            accepted = {n: f.is_required() for n, f in fields.items()}
-            raise ToolError(
-                f"Error executing tool {name}: {argument_error(name, exc.__cause__, accepted)}"
-            ) from exc.__cause__
 
 
 def build_server(config: LoomConfig | None = None) -> MCPServer:
@@ -186,11 +148,29 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         scope.campaign_id = result.campaign_id
         return result
 
-    def campaign_globals(campaign_id: str | None, given: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The call's task_globals, or the campaign's when the call names none."""
+    async def judged(
+        run: Callable[..., Awaitable[tuple[Any, ...]]],
+        ctx: Context,
+        task: str,
+        candidate: str,
+        campaign_id: str | None,
+        task_globals: dict[str, Any] | None,
+        **kwargs: Any,
+    ) -> Any:
+        """The result `run` (judge.run_validation, judge.run_benchmark) reports for `candidate`,
+        with the call's task_globals, or the campaign's when the call names none."""
         from loom_mcp.campaigns import resolve_task_globals
 
-        return resolve_task_globals(services.ledger.campaign(campaign_id) if campaign_id else None, given)
+        campaign = services.ledger.campaign(campaign_id) if campaign_id else None
+        task_globals = resolve_task_globals(campaign, task_globals)
+        kwargs.update(
+            task=task,
+            candidate=candidate,
+            campaign_id=campaign_id,
+            progress=progress_of(ctx),
+            task_globals=task_globals,
+        )
+        return (await run(config, services.ledger, services.artifacts, **kwargs))[0]
 
     def progress_of(ctx: Context) -> Callable[[str], Awaitable[None]]:
         """Progress messages for long jobs (clients that did not ask for progress ignore them)."""
@@ -270,9 +250,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             int | None, Field(ge=1, le=50, description="Seeds per shape (at least the server's policy, default 5)")
         ] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[
-            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
-        ] = None,
+        campaign_id: CampaignId = None,
         task_globals: TaskGlobals = None,
     ) -> RunValidationResult:
         """Check a candidate against the task's reference over every shape x seed (secret seeds;
@@ -281,19 +259,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         Returns passed, failing cases and findings; full table at loom://runs/{validation_id}."""
         from loom_mcp import judge
 
-        result, _, _ = await judge.run_validation(
-            config,
-            services.ledger,
-            services.artifacts,
-            task=task,
-            candidate=candidate,
-            seeds=seeds,
-            shapes=shapes,
-            campaign_id=campaign_id,
-            progress=progress_of(ctx),
-            task_globals=campaign_globals(campaign_id, task_globals),
+        return await judged(
+            judge.run_validation, ctx, task, candidate, campaign_id, task_globals, seeds=seeds, shapes=shapes
         )
-        return result
 
     @server.tool(title="Benchmark", annotations=RECORDS)
     @recorded(services, "benchmark")
@@ -306,9 +274,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             str | None, Field(description="A candidate file (ModelNew) to compare against instead of the task's Model")
         ] = None,
         shapes: ShapeNames = None,
-        campaign_id: Annotated[
-            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
-        ] = None,
+        campaign_id: CampaignId = None,
         task_globals: TaskGlobals = None,
     ) -> BenchmarkResult:
         """Time candidate vs baseline (the task's Model, or baseline=) interleaved ABBA in warm
@@ -318,19 +284,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         kernels ran."""
         from loom_mcp import judge
 
-        result, _, _, _ = await judge.run_benchmark(
-            config,
-            services.ledger,
-            services.artifacts,
-            task=task,
-            candidate=candidate,
-            baseline=baseline,
-            shapes=shapes,
-            campaign_id=campaign_id,
-            progress=progress_of(ctx),
-            task_globals=campaign_globals(campaign_id, task_globals),
+        return await judged(
+            judge.run_benchmark, ctx, task, candidate, campaign_id, task_globals, baseline=baseline, shapes=shapes
         )
-        return result
 
     @server.tool(title="Profile", annotations=RECORDS)
     @recorded(services, "profile")
@@ -355,9 +311,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ] = None,
         warmup: Annotated[int, Field(ge=0, le=1000, description="Untraced calls first")] = 3,
         active: Annotated[int, Field(ge=1, le=100, description="Traced calls")] = 5,
-        campaign_id: Annotated[
-            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
-        ] = None,
+        campaign_id: CampaignId = None,
     ) -> ProfileResult:
         """Run a workload under a profiler in the sandbox; the scrubbed trace is stored. torch: the
         task's Model, a candidate's ModelNew or a script (CUDA, ROCm, CPU); rocprofv3 / nsys: wrap
@@ -422,40 +376,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         await ctx.report_progress(1, total=1, message="done")
         return result
 
-    @server.resource(
-        "loom://traces/{analysis_id}/analysis",
-        name="trace_analysis",
-        title="Full trace analysis (JSON tables)",
-        mime_type="application/json",
-    )
-    def trace_analysis_resource(analysis_id: str) -> str:
-        from loom_mcp.profiling.analysis import analysis_file
-
-        try:
-            return analysis_file(config, analysis_id, "analysis.json").read_text()
-        except LoomError as exc:
-            raise ResourceNotFoundError(str(exc)) from exc
-
-    @server.resource(
-        "loom://traces/{analysis_id}/breakdown.png",
-        name="trace_breakdown",
-        title="Time breakdown plot",
-        mime_type="image/png",
-    )
-    def trace_breakdown_resource(analysis_id: str) -> bytes:
-        from loom_mcp.profiling.analysis import analysis_file
-
-        try:
-            return analysis_file(config, analysis_id, "breakdown.png").read_bytes()
-        except LoomError as exc:
-            raise ResourceNotFoundError(str(exc)) from exc
-
     @server.tool(title="Submit candidate", annotations=RECORDS)
     @recorded(services, "submit_candidate")
     async def submit_candidate(
         scope: CallScope,
         ctx: Context,
-        campaign_id: Annotated[str, Field(description="From start_campaign")],
+        campaign_id: CampaignRef,
         task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
         candidate: Annotated[
             str, Field(description="Candidate file defining ModelNew (inside the campaign repo, or anywhere allowed)")
@@ -491,7 +417,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     @recorded(services, "campaign_report")
     async def campaign_report(
         scope: CallScope,
-        campaign_id: Annotated[str, Field(description="From start_campaign")],
+        campaign_id: CampaignRef,
     ) -> CampaignReportResult:
         """The campaign from the ledger: accepted chain and cumulative speedup, every attempt
         with verdict and reasons, outcome rates, per-tool errors, budgets used, fingerprints, the
@@ -512,18 +438,6 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             files=report.files,
             next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}",
         )
-
-    @server.resource(
-        "loom://campaigns/{campaign_id}/report",
-        name="campaign_report",
-        title="Campaign report (Markdown)",
-        mime_type="text/markdown",
-    )
-    def campaign_report_resource(campaign_id: str) -> str:
-        path = config.home / "reports" / campaign_id / "report.md"
-        if not path.is_file():
-            raise ResourceNotFoundError(f"no report for {campaign_id!r} yet; call campaign_report")
-        return path.read_text()
 
     @server.tool(title="Benchmark commands", annotations=RECORDS)
     @recorded(services, "benchmark_command")
@@ -581,9 +495,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         repo: Annotated[
             str | None, Field(description="The git repository of the revisions (default: cwd, else the campaign's)")
         ] = None,
-        campaign_id: Annotated[
-            str | None, Field(description="Campaign to record this under; relative paths then resolve in its repo")
-        ] = None,
+        campaign_id: CampaignId = None,
     ) -> CommandBenchmarkResult:
         """Compare two whole programs (a model server benchmark, a script), or one command at
         two git revisions, `runs` times each interleaved ABBA in the sandbox (loopback network only):
@@ -610,66 +522,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             progress=progress_of(ctx),
         )
 
-    @server.resource(
-        "loom://runs/{run_id}", name="run", title="Full validation/benchmark record", mime_type="application/json"
-    )
-    def run_resource(run_id: str) -> str:
-        row = services.ledger.run(run_id)
-        if row is None:
-            raise ResourceNotFoundError(f"no run {run_id!r}")
-        return services.artifacts.get_bytes(row["record_sha"]).decode()
+    from loom_mcp.server_resources import add_resources
 
-    @server.resource(
-        "loom://campaigns/{campaign_id}", name="campaign", title="Campaign record", mime_type="application/json"
-    )
-    def campaign_resource(campaign_id: str) -> str:
-        row = services.ledger.campaign(campaign_id)
-        if row is None:
-            raise ResourceNotFoundError(f"no campaign {campaign_id!r}")
-        from loom_mcp.submissions import campaign_budgets
-
-        in_force, warnings = campaign_budgets(row, config.budgets)
-        row["budgets"] = orjson.loads(row.pop("budgets_json"))  # as recorded
-        row["budgets_in_force"] = in_force.model_dump()  # never above the configured ceilings
-        warnings += config_notes(services)
-        if warnings:
-            row["warnings"] = warnings
-        calls = services.ledger.calls(campaign_id=campaign_id)
-        row["calls"] = [c.model_dump(exclude={"pid"}) for c in calls]
-        return orjson.dumps(row, option=orjson.OPT_INDENT_2).decode()
-
-    @server.prompt(title="Optimization loop")
-    def optimization_loop(goal: str, repo: str = "") -> str:
-        """The loop playbook for one goal (repo: the repository's absolute path)."""
-        # Tools refuse relative paths (they would resolve against the server's directory).
-        where = repo if repo.startswith("/") else "(its absolute path: tools refuse relative ones)"
-        return (
-            f"Goal: {goal}\nRepository: {where}\n\n"
-            "1. device_info: know the device, its peaks and toolchain.\n"
-            "2. start_campaign(repo=<absolute path>, goal): note the campaign_id; later paths may "
-            "be relative to that repository.\n"
-            "3. Find where the time goes (profile, analyze_trace); pick the op with the largest "
-            "Amdahl ceiling.\n"
-            "4. Write a candidate ModelNew for the task; compile_kernel, then run_validation until it "
-            "passes, then benchmark against the baseline.\n"
-            "5. submit_candidate: the server re-runs everything and decides. Never edit the task's "
-            "reference; never chase a result inside the confidence interval.\n"
-            "6. campaign_report when done."
-        )
-
-    from loom_mcp.tool_contract import tighten_tools
-
-    full_output_schemas = tighten_tools(server._tool_manager.list_tools())
-
-    @server.resource(
-        "loom://schemas/{tool}",
-        name="output_schema",
-        mime_type="application/json",
-        title="A tool's full output schema (tools/list publishes nested objects untyped)",
-    )
-    def output_schema_resource(tool: str) -> str:
-        if tool not in full_output_schemas:
-            raise ResourceNotFoundError(f"no tool {tool!r}; the tools are: {', '.join(full_output_schemas)}")
-        return orjson.dumps(full_output_schemas[tool], option=orjson.OPT_INDENT_2).decode()
-
+    add_resources(server, config, services)
     return server

@@ -149,26 +149,21 @@ def _open_repo(repo: Path | str) -> _Repo:
     path = Path(repo)
     if not path.is_dir():
         raise LoomError(ErrorCode.NOT_FOUND, f"repo {path} does not exist or is not a directory")
-    res = _git(
-        path,
-        "rev-parse",
-        "--path-format=absolute",
-        "--show-toplevel",
-        "--git-dir",
-        "--git-common-dir",
-        check=False,
-    )
-    lines = res.stdout.decode("utf-8", "surrogateescape").splitlines()
-    if res.returncode != 0 or len(lines) != 3:
-        raise LoomError(ErrorCode.BAD_INPUT, f"{path} is not a git repository with a working tree: {_err(res)}")
-    top, git_dir, common = (Path(line) for line in lines)
-    if os.path.realpath(top) != os.path.realpath(path):
+    refusal = f"{path} is not a git repository with a working tree"
+    top, git_dir, common = _git_paths(path, "--show-toplevel", "--git-dir", "--git-common-dir", refusal=refusal)
+    if top != Path(os.path.realpath(path)):
         raise LoomError(ErrorCode.BAD_INPUT, f"{path} is inside the repository {top}; pass the repository root")
-    return _Repo(
-        top=Path(os.path.realpath(top)),
-        git_dir=Path(os.path.realpath(git_dir)),
-        common_dir=Path(os.path.realpath(common)),
-    )
+    return _Repo(top=top, git_dir=git_dir, common_dir=common)
+
+
+def _git_paths(cwd: Path, *which: str, refusal: str) -> list[Path]:
+    """`git rev-parse --path-format=absolute <which...>` in `cwd`: the real path of each, or
+    [BAD_INPUT] `refusal` with git's reason."""
+    res = _git(cwd, "rev-parse", "--path-format=absolute", *which, check=False)
+    lines = res.stdout.decode("utf-8", "surrogateescape").splitlines()
+    if res.returncode != 0 or len(lines) != len(which):
+        raise LoomError(ErrorCode.BAD_INPUT, f"{refusal}: {_err(res)}")
+    return [Path(os.path.realpath(line)) for line in lines]
 
 
 def _resolve_commit(cwd: Path, rev: str, what: str) -> str:

@@ -27,6 +27,7 @@ from loom_mcp.gitops.runner import (
     _config,
     _err,
     _git,
+    _git_paths,
     _open_repo,
     _out,
     _ref_sha,
@@ -142,18 +143,9 @@ def _admin_dir(info: _Repo, worktree: Path) -> Path:
     """The worktree's entry in `<common>/worktrees/`, after checking it belongs to `info`."""
     if not Path(worktree).is_dir():
         raise LoomError(ErrorCode.NOT_FOUND, f"worktree {worktree} does not exist")
-    res = _git(
-        Path(worktree),
-        "rev-parse",
-        "--path-format=absolute",
-        "--git-dir",
-        "--git-common-dir",
-        check=False,
+    admin, common = _git_paths(
+        Path(worktree), "--git-dir", "--git-common-dir", refusal=f"{worktree} is not a git worktree"
     )
-    lines = res.stdout.decode("utf-8", "surrogateescape").splitlines()
-    if res.returncode != 0 or len(lines) != 2:
-        raise LoomError(ErrorCode.BAD_INPUT, f"{worktree} is not a git worktree")
-    admin, common = Path(os.path.realpath(lines[0])), Path(os.path.realpath(lines[1]))
     if common != info.common_dir or admin.parent != info.common_dir / "worktrees":
         raise LoomError(ErrorCode.BAD_INPUT, f"{worktree} is not a linked worktree of {info.top}")
     return admin

@@ -133,6 +133,47 @@ def plan(caps: dict[str, Any], allow_network: bool) -> dict[str, Any]:
     }
 
 
+# What a job's own root keeps from it, where the view probe confirmed it: report entry ->
+# (the probe's check, what holds, what does not after "not ").
+_HELD_BY_VIEW = {
+    "etc_secrets": (
+        "etc_secrets_hidden",
+        "hidden: /etc/shadow, gshadow, sudoers and ssh are not in a job's root",
+        "hidden: jobs read the host's /etc (file permissions only)",
+    ),
+    "host_sockets": (
+        "host_socket_blocked",
+        "out of reach: no host path is in a job's root, so no host AF_UNIX "
+        "socket (docker.sock, ssh-agent, X11) can be connected to",
+        "blocked: the network namespace does not cover path sockets and the host tree is visible",
+    ),
+    "loom_home": (
+        "loom_home_hidden",
+        "hidden: a job sees only its own job and compile-cache directories "
+        "(trusted workers: the job directories, read-only; never the ledger or loom.toml)",
+        "hidden: LOOM_HOME (ledger, config, other jobs) is readable by jobs",
+    ),
+    "home": (
+        "home_hidden",
+        "private: HOME is the job's own directory and the real one is not in "
+        "its root (trusted workers reading allowed roots that contain it: credentials masked)",
+        "hidden: HOME points at the job's own directory, but the real one stays readable",
+    ),
+    "kernel_knobs": (
+        "proc_sys_readonly",
+        "out of reach: /proc/sys, sysrq-trigger, irq, bus and fs are read-only "
+        "in a job's /proc (kcore, keys, timer_list and a few more hidden), whatever uid it runs as",
+        "read-only: a job running as root could write the host's sysctls (core_pattern)",
+    ),
+    "nested_namespaces": (
+        "no_nested_user_namespace",
+        "refused: a job's user namespace allows none below it, so it "
+        "cannot gain capabilities there (to mount its own cgroup and lift its limits)",
+        "refused: a job can create user namespaces below its own",
+    ),
+}
+
+
 def _describe(caps: dict[str, Any]) -> dict[str, str]:
     def why(name: str) -> str:
         if caps.get("error"):
@@ -180,32 +221,8 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
     else:
         report["filesystem"] = "not read-only: no mount namespace for jobs here"
 
-    def held(key: str, yes: str, no: str) -> str:
-        return yes if view and checks.get(key) else "not " + no
-
-    report["etc_secrets"] = held(
-        "etc_secrets_hidden",
-        "hidden: /etc/shadow, gshadow, sudoers and ssh are not in a job's root",
-        "hidden: jobs read the host's /etc (file permissions only)",
-    )
-    report["host_sockets"] = held(
-        "host_socket_blocked",
-        "out of reach: no host path is in a job's root, so no host AF_UNIX "
-        "socket (docker.sock, ssh-agent, X11) can be connected to",
-        "blocked: the network namespace does not cover path sockets and the host tree is visible",
-    )
-    report["loom_home"] = held(
-        "loom_home_hidden",
-        "hidden: a job sees only its own job and compile-cache directories "
-        "(trusted workers: the job directories, read-only; never the ledger or loom.toml)",
-        "hidden: LOOM_HOME (ledger, config, other jobs) is readable by jobs",
-    )
-    report["home"] = held(
-        "home_hidden",
-        "private: HOME is the job's own directory and the real one is not in "
-        "its root (trusted workers reading allowed roots that contain it: credentials masked)",
-        "hidden: HOME points at the job's own directory, but the real one stays readable",
-    )
+    for name, (check, yes, no) in _HELD_BY_VIEW.items():
+        report[name] = yes if view and checks.get(check) else "not " + no
     memory = caps.get("memory_cgroup")
     if memory:
         report["memory_limit"] = (
@@ -246,18 +263,6 @@ def _describe(caps: dict[str, Any]) -> dict[str, str]:
         report["blank_workers"] = (
             f"not available ({why('late')}): every candidate, arm and timer starts a fresh process"
         )
-    report["kernel_knobs"] = held(
-        "proc_sys_readonly",
-        "out of reach: /proc/sys, sysrq-trigger, irq, bus and fs are read-only "
-        "in a job's /proc (kcore, keys, timer_list and a few more hidden), whatever uid it runs as",
-        "read-only: a job running as root could write the host's sysctls (core_pattern)",
-    )
-    report["nested_namespaces"] = held(
-        "no_nested_user_namespace",
-        "refused: a job's user namespace allows none below it, so it "
-        "cannot gain capabilities there (to mount its own cgroup and lift its limits)",
-        "refused: a job can create user namespaces below its own",
-    )
     report["host_ipc"] = (
         "own UTS and IPC namespaces (the host's SysV segments, message queues "
         "and hostname out of reach), a fresh session keyring"

@@ -53,6 +53,26 @@ class CategoryStat:
     top: list[str] = field(default_factory=list)
 
 
+def _sig_group(
+    s: OpSig, category: str, calls: int, kernels: int, time_us: float, first_ts: float, device_bytes: int = 0
+) -> OpGroup:
+    """The group of op signature `s` (via "op"), with the work one call of it does."""
+    return OpGroup(
+        name=s.name,
+        full_name=s.name,
+        shapes=shapes_label(s),
+        via="op",
+        category=category,
+        calls=calls,
+        kernels=kernels,
+        time_us=time_us,
+        device_bytes=device_bytes,
+        sig=s,
+        work=model(s),
+        first_ts=first_ts,
+    )
+
+
 def event_categories(td: TraceData, links: Links) -> np.ndarray:
     """Category index per GPU event; classified once per (kernel name, launching op name)."""
     n = td.n_gpu
@@ -115,23 +135,16 @@ def op_groups(td: TraceData, links: Links, cat: np.ndarray, peak: Any | None) ->
     groups: list[OpGroup] = []
     for i, k in enumerate(uniq.tolist()):
         if k < n_sig:
-            s = td.sigs[k]
-            work = model(s)
-            grp = OpGroup(
-                name=s.name,
-                full_name=s.name,
-                shapes=shapes_label(s),
-                via="op",
-                category=CATEGORIES[dominant[i]],
-                calls=int(calls[i]),
-                kernels=int(kernels[i]),
-                time_us=float(time[i]),
-                device_bytes=int(nbytes[i]),
-                sig=s,
-                work=work,
-                first_ts=float(first[i]),
+            grp = _sig_group(
+                td.sigs[k],
+                CATEGORIES[dominant[i]],
+                int(calls[i]),
+                int(kernels[i]),
+                float(time[i]),
+                float(first[i]),
+                int(nbytes[i]),
             )
-            grp.roof = place(work, grp.calls, grp.time_us, peak)
+            grp.roof = place(grp.work, grp.calls, grp.time_us, peak)
         else:
             rest = k - n_sig
             name_id, v = rest // 4, rest % 4
@@ -236,26 +249,11 @@ def host_op_groups(td: TraceData) -> list[OpGroup]:
     calls = np.bincount(inv, minlength=len(uniq))
     first = np.full(len(uniq), np.inf)
     np.minimum.at(first, inv, ts[top])
-    groups: list[OpGroup] = []
-    for i, k in enumerate(uniq.tolist()):
-        s = td.sigs[k]
-        work = model(s)
-        grp = OpGroup(
-            name=s.name,
-            full_name=s.name,
-            shapes=shapes_label(s),
-            via="op",
-            category=op_category(s.name),
-            calls=int(calls[i]),
-            kernels=0,
-            time_us=float(time[i]),
-            device_bytes=0,
-            sig=s,
-            work=work,
-            first_ts=float(first[i]),
-        )
-        # Host time includes dispatch and allocation: rates from it would say nothing of the
-        # op's kernel, so host groups carry no roofline placement.
-        groups.append(grp)
+    # Host time includes dispatch and allocation: rates from it would say nothing of the op's
+    # kernel, so host groups carry no roofline placement.
+    groups = [
+        _sig_group(s, op_category(s.name), int(calls[i]), 0, float(time[i]), float(first[i]))
+        for i, s in enumerate(td.sigs[k] for k in uniq.tolist())
+    ]
     groups.sort(key=lambda g: (-g.time_us, g.first_ts))
     return groups

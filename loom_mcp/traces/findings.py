@@ -7,6 +7,7 @@ different findings overlap, so they are ranked, not summed.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,23 @@ def _n(n: int, word: str) -> str:
 
 def _pct(x: float, total: float) -> float:
     return round(100.0 * x / total, 1) if total > 0 else 0.0
+
+
+def _add_finding(
+    out: list[Finding], total: float, kind: str, message: str, saving: float, tool: str, target: str | None = None
+) -> None:
+    """Adds the finding to `out` when the time fixing it could save is worth naming (MIN_SHARE of `total`)."""
+    if saving >= MIN_SHARE * total and saving > 0:
+        out.append(
+            Finding(
+                kind=kind,
+                message=message,
+                saving_us=round(saving, 1),
+                saving_pct=_pct(saving, total),
+                next_tool=tool,  # type: ignore[arg-type]
+                target=target,
+            )
+        )
 
 
 def elementwise_chains(
@@ -157,18 +175,7 @@ def find(
     total = tl.total_us
     out: list[Finding] = []
 
-    def add(kind: str, message: str, saving: float, tool: str, target: str | None = None) -> None:
-        if saving >= MIN_SHARE * total and saving > 0:
-            out.append(
-                Finding(
-                    kind=kind,
-                    message=message,
-                    saving_us=round(saving, 1),
-                    saving_pct=_pct(saving, total),
-                    next_tool=tool,  # type: ignore[arg-type]
-                    target=target,
-                )
-            )
+    add = functools.partial(_add_finding, out, total)
 
     n_k = len(kernel_durations)
     median = float(np.median(kernel_durations)) if n_k else 0.0
@@ -301,18 +308,7 @@ def host_findings(groups: list[OpGroup], total_us: float) -> list[Finding]:
     if total_us <= 0:
         return out
 
-    def add(kind: str, message: str, saving: float, target: str | None) -> None:
-        if saving >= MIN_SHARE * total_us and saving > 0:
-            out.append(
-                Finding(
-                    kind=kind,
-                    message=message,
-                    saving_us=round(saving, 1),
-                    saving_pct=_pct(saving, total_us),
-                    next_tool="compile_kernel",
-                    target=target,
-                )
-            )
+    add = functools.partial(_add_finding, out, total_us)
 
     for g in groups[:HOST_HOTSPOTS]:
         if g.time_us < HOST_HOTSPOT_SHARE * total_us:
@@ -323,6 +319,7 @@ def host_findings(groups: list[OpGroup], total_us: float) -> list[Finding]:
             f"{label[:80]}: {_pct(g.time_us, total_us):.0f}% of host op time "
             f"({_n(g.calls, 'call')}, {_ms(g.time_us)}): a target for a kernel of your own.",
             g.time_us,
+            "compile_kernel",
             g.name[:80],
         )
     fusable = [g for g in groups if g.category in _FUSABLE and g.name.startswith("aten::")]
@@ -337,6 +334,7 @@ def host_findings(groups: list[OpGroup], total_us: float) -> list[Finding]:
             f"{_pct(spent, total_us):.0f}% of host op time; each makes its own pass over memory "
             "where one fused kernel would make one.",
             saving,
+            "compile_kernel",
             names[:80],
         )
     out.sort(key=lambda f: -f.saving_us)

@@ -183,20 +183,13 @@ def _child_main() -> int:
     except LoomError as exc:
         report(ok=False, code=exc.code.value, message=scrub_text(exc.message))
         return 0
-    except MemoryError:
-        report(
-            ok=False,
-            code=ErrorCode.BAD_INPUT.value,
-            message=f"{name}: analysis needs more than the memory limit of "
-            f"{human_bytes(limits.memory_bytes)} ({ENV['memory_bytes']})",
-        )
-        return 0
-    except RecursionError:
-        report(
-            ok=False,
-            code=ErrorCode.BAD_INPUT.value,
-            message=f"{name}: trace structure nests too deeply to analyse ({ENV['max_depth']})",
-        )
+    except (MemoryError, RecursionError) as exc:
+        if isinstance(exc, MemoryError):
+            limit = f"{human_bytes(limits.memory_bytes)} ({ENV['memory_bytes']})"
+            why = f"analysis needs more than the memory limit of {limit}"
+        else:
+            why = f"trace structure nests too deeply to analyse ({ENV['max_depth']})"
+        report(ok=False, code=ErrorCode.BAD_INPUT.value, message=f"{name}: {why}")
         return 0
     except Exception as exc:  # a bug, or input no check foresaw: the parent logs stderr
         import traceback

@@ -38,22 +38,9 @@ def _pct(x: float, total: float) -> float:
 
 def timeline_summary(fa: FullAnalysis) -> TimelineSummary:
     t = fa.primary
-    if t is None:
-        return TimelineSummary(
-            device=fa.device_name,
-            total_us=0,
-            computation_us=0,
-            exposed_comm_us=0,
-            exposed_memcpy_us=0,
-            busy_us=0,
-            idle_us=0,
-            idle_short_us=0,
-            idle_long_us=0,
-            short_gap_us=0,
-            host_bound_idle_us=0,
-            busy_pct=0,
-            gpu_events=0,
-        )
+    if t is None:  # no GPU activity: every figure is 0
+        fields = TimelineSummary.model_fields.items()
+        return TimelineSummary(device=fa.device_name, **{n: 0 for n, f in fields if f.is_required() and n != "device"})
     r = lambda x: round(x, 1)  # noqa: E731
     # Rounded parts are re-balanced so they still add up to the rounded total.
     parts = [r(t.computation_us), r(t.exposed_comm_us), r(t.exposed_memcpy_us), r(t.idle_short_us)]
