@@ -33,14 +33,15 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
 
 
 def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> list[ShapeSamples]:
-    """The merged blocks' samples as the statistics take them (CPU wall clock)."""
+    """The samples as the statistics take them; with block labels where blocks were merged (CPU
+    wall clock)."""
     return [
         ShapeSamples(
             name=m["name"],
             baseline_s=samples[m["name"]]["a"],
             candidate_s=samples[m["name"]]["b"],
             throttled=samples[m["name"]]["throttled"],
-            blocks=samples[m["name"]]["blocks"],
+            blocks=samples[m["name"]].get("blocks"),
             flops=m["flops"],
             bytes_moved=m["bytes_moved"],
             stop_reason=samples[m["name"]].get("stop"),

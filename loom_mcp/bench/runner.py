@@ -31,7 +31,7 @@ from loom_mcp.bench.proof import declared_kernels
 from loom_mcp.bench.stats import analyze_shapes, more_blocks_needed
 from loom_mcp.bench.trusted import flag_disagreement, trusted_geomean_of
 from loom_mcp.errors import ErrorCode, LoomError
-from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, ShapeSamples, TimerKind
+from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, TimerKind
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, safefs, warm
@@ -417,23 +417,7 @@ async def benchmark_candidate(
     if use_blanks:
         for spec, base_env, depth in blanks.values():
             warm.refill_blanks(spec, pool_dir, base_env=base_env, depth=depth)
-    shape_samples = (
-        block_shapes(shape_meta, samples)
-        if wall_clock
-        else [
-            ShapeSamples(
-                name=m["name"],
-                baseline_s=samples[m["name"]]["a"],
-                candidate_s=samples[m["name"]]["b"],
-                throttled=samples[m["name"]]["throttled"],
-                flops=m["flops"],
-                bytes_moved=m["bytes_moved"],
-                stop_reason=samples[m["name"]].get("stop"),
-                sampling_s=samples[m["name"]].get("seconds"),
-            )
-            for m in shape_meta
-        ]
-    )
+    shape_samples = block_shapes(shape_meta, samples)
     trusted_geomean = trusted_geomean_of(shape_meta, samples, gate)
     peak_bw = peak.memory_bandwidth_bytes_s if peak else None
     peak_flops = None
