@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed, in phases that each fit one 10-minute device call.
 #
-#   ../shared/device/wheels.sh orjson ijson filelock platformdirs gguf      # here, once
+#   ../shared/device/wheels.sh orjson ijson filelock platformdirs gguf ninja tomlkit     # here, once
 #   bash benchmarks/device_setup.sh bash benchmarks/gpu_session.sh verify  # on the device (carry .whl)
 #
 # Phases (outputs under $OUT/<phase>/, progress on stdout so a cut-off run still says where
