@@ -44,7 +44,7 @@ from loom_mcp.models import (
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.lease import DEVICE_METER, DeviceLease
 from loom_mcp.sandbox.runner import Progress
-from loom_mcp.sandbox.sources import code_digest
+from loom_mcp.sandbox.sources import code_digest, snapshot
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
 from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
@@ -335,10 +335,13 @@ async def run_validation(
     target = await pick_target(config)
     run_id = new_run_id("validation")
     started = time.monotonic()
+    # The job runs a server-owned copy; the key and the record are of the same bytes.
+    ran = await anyio.to_thread.run_sync(snapshot, cand_path, config.jobs_dir / run_id / "code")
+    reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, shapes, task_globals)
     async with Leased(config, target, progress) as held:
         evidence = await validate_candidate(
             task=task_path,
-            candidate=cand_path,
+            candidate=ran,
             job_dir=config.jobs_dir / run_id,
             seeds=seeds,
             shapes=shapes,
@@ -350,7 +353,6 @@ async def run_validation(
             task_globals=task_globals,
         )
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
-    reuse_key = validation_reuse_key(config, target, task_path, cand_path, seeds, shapes, task_globals)
     store_record(
         ledger,
         artifacts,
@@ -361,7 +363,7 @@ async def run_validation(
             "task": str(task_path),
             "task_globals": task_globals,
             "candidate": str(cand_path),
-            "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(cand_path), "candidate", cand_path.name),
+            "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(ran), "candidate", cand_path.name),
             "reuse_key": reuse_key,
         },
         result,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from importlib import resources
 
+import anyio
 import git
 import pytest
 from mcp import Client
@@ -111,3 +112,60 @@ async def test_a_changed_source_is_validated_again_and_frozen_with_the_candidate
     commit = git.Repo(repo).commit(f"loom/{cid}")
     assert {"split.py", "norm_helper.py"} <= set(commit.stats.files)  # frozen with it, unasked
     assert (commit.tree / "norm_helper.py").data_stream.read().decode() == HONEST
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("declared,expected", [
+    ("[{}]", "literal list"),
+    ('["' + "x" * 300 + '.py"]', "too long"),
+    ('["helper.pyc"]', "only source files"),
+    ('["a\\x00b.py"]', "not a plain file name"),
+])
+async def test_bad_sources_entries_are_bad_input(workspace, declared, expected):
+    repo, home = workspace
+    (repo / "odd.py").write_text(SPLIT.replace('["norm_helper.py"]', declared))
+    async with Client(build_server(load_config(home))) as client:
+        result = await client.call_tool("run_validation", {"task": str(repo / "task.py"),
+                                                           "candidate": str(repo / "odd.py")})
+    assert result.is_error is True
+    text = result.content[0].text
+    assert "[BAD_INPUT]" in text and expected in text, text
+
+
+@pytest.mark.anyio
+async def test_a_source_swapped_while_validation_runs_is_not_what_passed(workspace):
+    """The job runs a server-owned copy, hashed before it starts: a helper swapped mid-run
+    neither reaches the job nor becomes the bytes the passed validation stands for."""
+    repo, home = workspace
+    jobs = home / "jobs"
+
+    async def swap_when_running() -> None:
+        while not list(jobs.glob("v*/signals/ref.go")):
+            await anyio.sleep(0.01)
+        (repo / "norm_helper.py").write_text(CHEAT)
+
+    async with Client(build_server(load_config(home))) as client:
+        campaign = await client.call_tool("start_campaign", {"repo": str(repo), "goal": "split rmsnorm"})
+        cid = campaign.structured_content["campaign_id"]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(swap_when_running)
+            checked = await validate(client, repo, "split.py")
+        assert (repo / "norm_helper.py").read_text() == CHEAT
+        submitted = await client.call_tool("submit_candidate", {
+            "campaign_id": cid, "task": str(repo / "task.py"), "candidate": str(repo / "split.py")})
+    assert checked["passed"], checked["findings"]  # the honest copy ran
+    result = submitted.structured_content
+    assert result["validation_id"] != checked["validation_id"]
+    assert result["verdict"] == "reject" and "validation.mismatch" in result["reason_codes"]
+
+
+@pytest.mark.anyio
+async def test_compile_sees_the_task_file_not_its_directory(workspace):
+    repo, home = workspace
+    (repo / "leak.py").write_text("SECRET = 'undeclared'\n")
+    (repo / "peek.py").write_text(SPLIT.replace("from norm_helper import fused", "from norm_helper import fused\nimport leak"))
+    async with Client(build_server(load_config(home))) as client:
+        result = await client.call_tool("compile_kernel", {"source": str(repo / "peek.py"), "language": "triton",
+                                                           "task": str(repo / "task.py")})
+    assert result.is_error is True
+    assert "No module named 'leak'" in result.content[0].text, result.content[0].text

@@ -15,7 +15,7 @@ import loom_mcp.traces.cache as cache
 from loom_mcp.traces import analyze_trace_cached, analyze_trace_file, trace_content_hash
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "traces"
+FIXTURES = REPO / "tests" / "fixtures" / "traces_real"
 SYNTH = REPO / "tests" / "fixtures" / "traces_synthetic"
 needs_fixtures = pytest.mark.skipif(
     not FIXTURES.is_dir(), reason="shared trace fixtures not present"

@@ -14,7 +14,7 @@ import loom_mcp.traces.jsonstream as jsonstream
 from loom_mcp.traces import analyze_trace_file, scrub_trace
 
 SYNTH = Path(__file__).resolve().parent / "fixtures" / "traces_synthetic"
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "traces"
+FIXTURES = Path(__file__).parent / "fixtures" / "traces_real"
 
 
 def fake_token() -> str:
@@ -123,7 +123,6 @@ def test_scrub_nsys(tmp_path):
     assert not s.metadata.found and s.timeline.busy_us == 30.5
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared trace fixtures not present")
 def test_scrub_rocprofv3(tmp_path):
     src = FIXTURES / "rocprofv3_908_results.json.gz"
     dst = tmp_path / "clean.json.gz"

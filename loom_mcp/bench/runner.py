@@ -102,10 +102,10 @@ async def benchmark_candidate(
         "candidate": (candidate, "ModelNew"),
     }
 
-    def arm_code(module: Path) -> list[Path]:
-        """What an arm may read of its module's directory: the task's whole directory (the
-        human's), a candidate's file and its declared sources only."""
-        return [module.parent] if module == task else code_files(module)
+    def arm_code(role: str, module: Path) -> list[Path]:
+        """What an arm may read of its module's directory: the task's whole directory for the
+        task's own Model (the human's), a candidate's file and its declared sources only."""
+        return [module.parent] if role == "baseline" and baseline is None else code_files(module)
 
     # Kernels the candidate or a Python source it declares defines: the proof looks for them.
     declared = {
@@ -221,7 +221,7 @@ async def benchmark_candidate(
                         writable=[cache, *slots],
                         visible_devices=visible,
                         # read-only: an arm may connect to the sockets there, never replace one
-                        readable=[*arm_code(Path(module)), prep_worker.job_dir, sock_dir, exchange / "in"],
+                        readable=[*arm_code(role, Path(module)), prep_worker.job_dir, sock_dir, exchange / "in"],
                         shm_dir=shm_dir,
                         timeout_s=timeout_s,
                         request={

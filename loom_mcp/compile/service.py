@@ -178,8 +178,9 @@ async def _compile_triton(
             job_dir=job_dir,
             env={**env, **code_cache_env(cache)},
             writable=[cache],
-            # the candidate and the sources it declares; the task's directory (it imports siblings)
-            readable=[*code_files(Path(source)), *([task.parent] if task else [])],
+            # the candidate and the sources it declares, and the task file alone: the candidate's
+            # code runs here, and nothing else of either directory may reach it (or its cache)
+            readable=[*code_files(Path(source)), *([task] if task else [])],
             visible_devices=visible,
             timeout_s=timeout_s,
             request={

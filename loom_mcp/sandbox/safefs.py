@@ -102,6 +102,8 @@ def _translate(exc: OSError, where: str) -> Exception:
         return UnsafeFileError(f"{where} already exists")
     if code in (errno.ENXIO, errno.ENODEV, errno.ETXTBSY):
         return UnsafeFileError(f"{where} is not a regular file")
+    if code == errno.ENAMETOOLONG:
+        return UnsafeFileError(f"{where[:300]}: a name in the path is too long")
     if code in (errno.EACCES, errno.EPERM):
         return UnsafeFileError(f"{where}: permission denied")
     return exc

@@ -22,22 +22,26 @@ from loom_mcp.sandbox import safefs
 
 MAX_SOURCES = 64
 SOURCES_NAME = "SOURCES"
+# Source text only: Python the static checks read, and what compilers read. Bytecode and
+# binaries (.pyc, .so) would run code nothing checked, under names that hide where it came from.
+SOURCE_SUFFIXES = frozenset({".py", ".cu", ".cuh", ".h", ".hpp", ".c", ".cc", ".cpp", ".hip", ".inc"})
+MAX_NAME_BYTES = 255
 
 
 def _declared_names(code: Path) -> list[str]:
     if code.suffix != ".py":
         return []
     try:
-        tree = ast.parse(safefs.read_resolved_text(code), filename=str(code))
-    except SyntaxError:
-        return []  # the candidate's own import reports it, with its line
+        tree = ast.parse(safefs.read_resolved_bytes(code).decode("utf-8"), filename=str(code))
+    except (SyntaxError, ValueError):  # not UTF-8, or not Python: the candidate's own checks say so
+        return []
     for stmt in tree.body:
         if (
             isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SOURCES_NAME for t in stmt.targets)
         ) or (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == SOURCES_NAME):
             try:
                 value = ast.literal_eval(stmt.value) if stmt.value is not None else None
-            except ValueError:
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 value = None
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise LoomError(
@@ -47,6 +51,14 @@ def _declared_names(code: Path) -> list[str]:
                 )
             return list(value)
     return []
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: a file name that is not UTF-8
+        return False
+    return True
 
 
 def declared_sources(code: Path) -> list[Path]:
@@ -63,11 +75,30 @@ def declared_sources(code: Path) -> list[Path]:
                 ErrorCode.BAD_INPUT,
                 f"{code}: {SOURCES_NAME} entry {name[:200]!r} must be a path below the candidate's directory",
             )
+        if (
+            "\x00" in name
+            or not name.isprintable()
+            or not _encodable(name)
+            or len(name.encode("utf-8", "replace")) > 1024
+        ):
+            raise LoomError(
+                ErrorCode.BAD_INPUT, f"{code}: {SOURCES_NAME} entry {name[:200]!r} is not a plain file name"
+            )
+        if any(len(part.encode()) > MAX_NAME_BYTES for part in rel.parts):
+            raise LoomError(ErrorCode.BAD_INPUT, f"{code}: {SOURCES_NAME} entry {name[:200]!r}: a name is too long")
+        if rel.suffix not in SOURCE_SUFFIXES:
+            raise LoomError(
+                ErrorCode.BAD_INPUT,
+                f"{code}: {SOURCES_NAME} entry {name[:200]!r}: only source files are declared "
+                f"({', '.join(sorted(SOURCE_SUFFIXES))})",
+            )
         path = code.parent / rel
         try:
             safefs.check_resolved_file(path, safefs.MAX_SOURCE_BYTES)
         except LoomError as exc:  # missing, a link, not a regular file, too big
             raise LoomError(exc.code, f"{SOURCES_NAME} of {code}: {exc.message}") from exc
+        except OSError as exc:
+            raise LoomError(ErrorCode.BAD_INPUT, f"{SOURCES_NAME} of {code}: {path}: {exc.strerror}") from exc
         if path != code and path not in found:
             found.append(path)
     return found
@@ -91,3 +122,15 @@ def code_digest(code: Path) -> str:
         rel = path.relative_to(code.parent).as_posix().encode()
         h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
     return h.hexdigest()
+
+
+def snapshot(code: Path, into: Path) -> Path:
+    """Copies of `code` and its declared sources, in their places below `into` (a new directory
+    only the server writes), and the copy of `code`. A job then runs exactly the bytes that are
+    hashed and recorded: an agent's file swapped while its validation runs changes neither."""
+    into.mkdir(parents=True, exist_ok=False)
+    for path in code_files(code):
+        rel = path.relative_to(code.parent)
+        (into / rel).parent.mkdir(parents=True, exist_ok=True)
+        safefs.write_bytes(into, rel.as_posix(), safefs.read_resolved_bytes(path))
+    return into / code.name

@@ -79,7 +79,7 @@ def static_findings(candidate: Path) -> list[Finding]:
     """The static checks over the candidate and each Python source it declares (its code too);
     it has a kernel when any of them has one."""
     per_file = [
-        check_candidate_source(safefs.read_resolved_text(path, errors="replace"), str(path))
+        check_candidate_source(safefs.read_resolved_text(path), str(path))
         for path in code_files(candidate)
         if path == candidate or path.suffix == ".py"
     ]
