@@ -560,3 +560,13 @@ def test_work_deferred_past_the_call_is_refused(body: str):
     """Timer signals, exit hooks and finalizers run code at a later moment the candidate can
     aim, e.g. while the other arm is timed."""
     assert "static.threads" in errors(body)
+
+
+def test_a_coding_cookie_cannot_hide_code_in_a_comment():
+    # unicode_escape turns the comment's \u000a into a newline: Python imports threading.
+    hidden = "# coding: unicode_escape\nimport torch\nx = 1  # \\u000aimport threading\n"
+    findings = check_candidate_source(hidden)
+    assert [(f.check, f.severity, f.line) for f in findings] == [("static.dynamic_code", "error", 1)]
+    assert "unicode_escape" in findings[0].message
+    plain = check_candidate_source("# -*- coding: utf-8 -*-\nimport torch\n")
+    assert all(f.check != "static.dynamic_code" for f in plain)

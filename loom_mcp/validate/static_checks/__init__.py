@@ -64,6 +64,7 @@ subclasses), `escape` (files, native and dynamic code), `shortcuts` (result cach
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,6 +73,7 @@ from loom_mcp.validate.static_checks.analyzer import Analyzer
 from loom_mcp.validate.static_checks.context import Context, make_finding
 from loom_mcp.validate.static_checks.rules import (
     CHECKS,
+    CODING_COOKIE,
     DEFAULT_REFERENCE_NAMES,
     DEFAULT_TASK_MODULES,
     SYNTAX,
@@ -89,6 +91,22 @@ __all__ = [
 ]
 
 
+# PEP 263: a cookie on either of the first two lines sets the encoding Python decodes with.
+_COOKIE = re.compile(r"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
+
+
+def _coding_cookie(source: str) -> str | None:
+    """The encoding a source's cookie declares, when it is not UTF-8 (None otherwise)."""
+    for line in source.splitlines()[:2]:
+        match = _COOKIE.match(line)
+        if match:
+            name = match.group(1).lower().replace("_", "-")
+            return None if name in ("utf-8", "utf8", "utf-8-sig") else match.group(1)
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+    return None
+
+
 def check_candidate_source(
     source: str,
     filename: str = "candidate.py",
@@ -104,6 +122,10 @@ def check_candidate_source(
     allowed_dtypes: canonical dtypes the task itself uses ('bf16', 'fp16', 'fp8'); using them is
         not a precision downgrade (TaskSpec.dtypes gives them).
     """
+    cookie = _coding_cookie(source)
+    if cookie is not None:
+        message = CODING_COOKIE.message.format(encoding=cookie)
+        return [make_finding(CODING_COOKIE.check, CODING_COOKIE.severity, message, filename, 1)]
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:

@@ -85,6 +85,7 @@ STATIC_MAP_WINDOW: int
 
 # One kind of finding each.
 SYNTAX: Rule
+CODING_COOKIE: Rule
 REFERENCE_NAME: Rule
 REFERENCE_IMPORT: Rule
 RELATIVE_IMPORT: Rule
