@@ -130,6 +130,20 @@ async def test_proof_of_execution_records_the_forward_only(server, workspace, ca
     assert timed["proof_of_execution"] is proven, timed["proof_note"]
 
 
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_forged_event_clocks_change_no_number_on_gpu(server, workspace):
+    """The arms' own events are the GPU samples. A candidate that rebinds the event clock is
+    timed with the originals all the same (the same maths as the reference: about 1x, not the
+    1.67x its clock claims) and is reported; an honest fused kernel of a few microseconds is not
+    taken for a forged clock by the brackets' check."""
+    forged = await bench(server, workspace, "attack_forged_events.py", shape="rows8_d64")
+    assert 0.8 < forged["shapes"][0]["speedup"] < 1.25, forged["shapes"]
+    assert "benchmark.timer_tampering" in {f["check"] for f in forged["findings"]}
+    honest = await bench(server, workspace, "honest_torch.py", shape="rows8_d64")
+    assert "benchmark.timing_disagreement" not in {f["check"] for f in honest["findings"]}, honest["findings"]
+
+
 @pytest.mark.anyio
 async def test_phase_detection_is_caught_while_timed(server, workspace):
     """Honest for its first 20 calls (enough to pass validation), garbage afterwards."""

@@ -10,14 +10,19 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
+from loom_mcp.bench.stats import analyze_shapes
 from loom_mcp.bench.trusted import (
+    HARNESS_RESIDUAL_MAX_S,
     OWN_TIMING_ALLOWANCE,
+    candidate_bracket_cost,
     flag_disagreement,
+    harness_residual,
     subtract_overhead,
+    trusted_geomean_of,
     trusted_pairs,
 )
 from loom_mcp.config import load_config
-from loom_mcp.judge_models import RatioCI
+from loom_mcp.judge_models import RatioCI, ShapeSamples
 from loom_mcp.server import build_server
 
 REDTEAM = Path(__file__).parent / "redteam"
@@ -111,6 +116,65 @@ def test_own_clocks_claiming_more_than_the_trusted_brackets_are_flagged():
     flag_disagreement(trusted, ci(claimed, claimed - 0.01, claimed + 0.01), findings)
     assert [f.check for f in findings] == ["benchmark.timing_disagreement"]
     assert findings[0].severity == "error"
+
+
+def _trusted_check(baseline_s: float, candidate_s: float, forged: float, excess_s: float) -> list:
+    """Both arms' brackets hold 1.2 us of harness work their own events leave out; the
+    candidate's hold `excess_s` more (the context switch into its process costs more); its own
+    clock reports `forged` of the truth."""
+    noise = [1 + 0.002 * ((i * 7) % 5 - 2) for i in range(40)]
+    own_a = [baseline_s * n for n in noise]
+    true_b = [candidate_s * n for n in reversed(noise)]
+    bracket_a = [t + 1.2e-6 for t in own_a]
+    bracket_b = [t + 1.2e-6 + excess_s for t in true_b]
+    residual = harness_residual(bracket_a, own_a)
+    assert residual == pytest.approx(1.2e-6)
+    samples = {
+        "s": {
+            "a": own_a,
+            "b": [t * forged for t in true_b],
+            "trusted_a": subtract_overhead(bracket_a, residual),
+            "trusted_b": subtract_overhead(bracket_b, residual),
+        }
+    }
+    meta = [{"name": "s"}]
+    gate = load_config(None, environ={}).gate
+    trusted = trusted_geomean_of(meta, samples, gate)
+    assert trusted is not None
+    own = analyze_shapes([ShapeSamples(name="s", baseline_s=samples["s"]["a"], candidate_s=samples["s"]["b"])],
+                         gate).geomean
+    assert own is not None
+    findings: list = []
+    flag_disagreement(trusted, own, findings)
+    return findings
+
+
+@pytest.mark.parametrize(("baseline_s", "candidate_s", "forged", "flagged"), [
+    (10.5e-6, 3.7e-6, 1.0, False),  # the H200 case: an honest 3.7 us kernel at 2.85x
+    (60e-6, 20e-6, 1.0, False),
+    (60e-6, 20e-6, 0.6, True),  # a clock reporting 60 % of the truth
+    (300e-6, 100e-6, 0.8, True),
+])
+def test_brackets_check_own_clocks_within_their_resolution(baseline_s, candidate_s, forged, flagged):
+    """Subtracting the baseline's harness residual and allowing the brackets' resolution, an
+    honest few-microsecond kernel is not taken for a forged clock (it was, at 2.85x against
+    2.39x), while a clock that shrinks a 20 us call by 40 % or a 100 us call by 20 % is."""
+    findings = _trusted_check(baseline_s, candidate_s, forged, excess_s=1.5e-6)
+    assert bool(findings) is flagged, findings
+
+
+def test_the_candidates_bracket_cost_is_its_own_but_never_more_than_the_baselines():
+    """A cheaper context switch into the candidate's process is its own to subtract; slowing its
+    empty calls gains nothing (the baseline's cost is the most subtracted)."""
+    assert candidate_bracket_cost(293e-6, [288e-6, 287e-6, 289e-6]) == pytest.approx(288e-6)
+    assert candidate_bracket_cost(293e-6, [900e-6, 950e-6]) == pytest.approx(293e-6)
+    assert candidate_bracket_cost(293e-6, []) == pytest.approx(293e-6)
+
+
+def test_the_harness_residual_is_capped_and_never_negative():
+    assert harness_residual([1e-3] * 5, [0.9e-3] * 5) == HARNESS_RESIDUAL_MAX_S
+    assert harness_residual([1e-6] * 5, [2e-6] * 5) == 0.0
+    assert harness_residual([], [1e-6]) == 0.0
 
 
 def test_late_brackets_leave_the_trusted_side_unless_most_are_late() -> None:

@@ -17,7 +17,13 @@ from loom_mcp.bench.arms import ArmConnection
 from loom_mcp.bench.output_check import call_agrees, samples_disagreeing, shape_disagrees
 from loom_mcp.bench.proof import prove_execution
 from loom_mcp.bench.summary import paired_stop_reason
-from loom_mcp.bench.trusted import EMPTY_CALLS, subtract_overhead, trusted_pairs
+from loom_mcp.bench.trusted import (
+    EMPTY_CALLS,
+    candidate_bracket_cost,
+    harness_residual,
+    subtract_overhead,
+    trusted_pairs,
+)
 from loom_mcp.judge_models import Finding, GateConfig
 
 log = logging.getLogger("loom_mcp.bench")
@@ -55,7 +61,7 @@ async def run_pairs(
         late = 0  # calls whose work was done before the timer could queue its end event
         raw: dict[str, list[float]] = {"baseline": [], "candidate": []}
         lateness: dict[str, list[bool]] = {"baseline": [], "candidate": []}
-        overhead: list[float] = []
+        overhead: dict[str, list[float]] = {"baseline": [], "candidate": []}
         while True:
             probe = [secrets.randbelow(1 << 30) for _ in range(32)]
             salt = secrets.randbelow(1 << 30)
@@ -79,7 +85,8 @@ async def run_pairs(
                     assert idle is not None  # watching implies it
                     idle.add(await anyio.to_thread.run_sync(idle.cpu_s) - cpu_before, wall)
                 got["arms"].update(part["arms"])
-                got["overhead"] = got.get("overhead", []) + (part.get("overhead") or [])
+                overhead["baseline"].extend(part.get("overhead") or [])
+                overhead["candidate"].extend(part.get("overhead_candidate") or [])
                 late = part.get("late", 0)
             after = clock_sampler() if clock_sampler else None
             throttled = bool((before or {}).get("throttled") or (after or {}).get("throttled"))
@@ -89,20 +96,23 @@ async def run_pairs(
             raw["candidate"].extend(cand["times"])
             for role, arm_part in (("baseline", base), ("candidate", cand)):
                 lateness[role].extend(arm_part.get("late") or [False] * len(arm_part["times"]))
-            overhead.extend(got.get("overhead") or [])
             record["throttled"].extend([throttled] * len(base["times"]))
             # The timer's brackets hold its own cost (a context switch each way on a GPU, a
-            # socket round trip on a CPU); the baseline's empty calls measure it.
-            record["overhead"] = statistics.median(overhead) if overhead else 0.0
+            # socket round trip on a CPU); each arm's empty calls measure it for that arm.
+            record["overhead"] = statistics.median(overhead["baseline"]) if overhead["baseline"] else 0.0
+            candidate_overhead = candidate_bracket_cost(record["overhead"], overhead["candidate"])
             kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"], lateness["candidate"])
             trusted_a = subtract_overhead([a for a, _ in kept], record["overhead"])
-            trusted_b = subtract_overhead([b for _, b in kept], record["overhead"])
+            trusted_b = subtract_overhead([b for _, b in kept], candidate_overhead)
             if base.get("own_times") is not None and cand.get("own_times") is not None:
                 # GPU: the arms' own events are the precise samples; the timer's brackets of the
                 # same calls are what they are checked against (see trusted.flag_disagreement).
                 record["a"].extend(base["own_times"])
                 record["b"].extend(cand["own_times"])
-                record["trusted_a"], record["trusted_b"] = trusted_a, trusted_b
+                residual = harness_residual(trusted_a, record["a"])
+                record["harness_residual_s"] = residual
+                record["trusted_a"] = subtract_overhead(trusted_a, residual)
+                record["trusted_b"] = subtract_overhead(trusted_b, residual)
             else:
                 record["a"], record["b"] = trusted_a, trusted_b
             for role in ("baseline", "candidate"):
@@ -175,5 +185,18 @@ async def run_pairs(
             stop,
             late,
         )
+        if record.get("trusted_a") and record.get("trusted_b"):
+            log.info(
+                "benchmark %s: %d of %d pairs late; medians, own events %.2f / %.2f us, brackets %.2f / %.2f us "
+                "(context switch %.2f / %.2f us, harness %.2f us and hand-over %s subtracted)",
+                name,
+                sum(a or b for a, b in zip(lateness["baseline"], lateness["candidate"])),
+                len(lateness["baseline"]),
+                *(1e6 * statistics.median(record[k]) for k in ("a", "b", "trusted_a", "trusted_b")),
+                1e6 * record["overhead"],
+                1e6 * candidate_overhead,
+                1e6 * record.get("harness_residual_s", 0.0),
+                {role: f"{1e6 * v:.2f} us" for role, v in (setup.get("copy_s") or {}).items()},
+            )
         await say(f"{name}: {pair} pairs done")
     return (graph_used, *await prove_execution(arms, declared, len(shape_meta) - 1, timeout_s))

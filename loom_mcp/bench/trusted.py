@@ -3,18 +3,46 @@ own clocks against them."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from loom_mcp.bench.stats import analyze_shapes
 from loom_mcp.judge_models import Finding, GateConfig, RatioCI, ShapeSamples
 
-EMPTY_CALLS = 2  # empty brackets per batch, run by the baseline arm: the timer's own cost
+EMPTY_CALLS = 2  # empty brackets per batch and arm: the timer's own cost
 MIN_CORRECTED_S = 1e-8
+# The most of a bracket that is put down to the harness (the arm's own events and the hand-over
+# of its outputs, about a microsecond on an H200) rather than to the call. Measured on the
+# baseline arm; capped so that no reading of it can excuse more than this of a candidate's time.
+HARNESS_RESIDUAL_MAX_S = 5e-6
 
 
 def subtract_overhead(times: list[float], overhead: float) -> list[float]:
     """Call times less the bracket's own cost, floored so a noisy short call stays positive."""
     return [max(t - overhead, MIN_CORRECTED_S) for t in times]
+
+
+def candidate_bracket_cost(baseline_cost: float, candidate_empties: list[float]) -> float:
+    """What is subtracted from the candidate's brackets as the timer's own cost. The context
+    switch into the candidate's process can be microseconds cheaper than into the baseline's
+    (on an H200 it was, by about 5 us: enough to floor a 5 us call's bracket to nothing), so the
+    candidate's own empty calls count, but never for more than the baseline's: an arm that
+    slowed its empty calls must not get more taken off its real ones."""
+    if not candidate_empties:
+        return baseline_cost
+    return min(statistics.median(candidate_empties), baseline_cost)
+
+
+def harness_residual(trusted_baseline: list[float], own_baseline: list[float]) -> float:
+    """What the baseline's brackets (their context switches already subtracted) hold beyond the
+    baseline's own events of the same calls: harness work inside the bracket that the arms'
+    events leave out. Both arms run the same harness, so it is subtracted from both arms'
+    brackets; left in, it compresses their ratio, which flagged an honest 3.7 us kernel at
+    2.85x as a forged clock. Read from the baseline only (code the candidate does not run)."""
+    if not trusted_baseline or not own_baseline:
+        return 0.0
+    gap = statistics.median(trusted_baseline) - statistics.median(own_baseline)
+    return min(max(gap, 0.0), HARNESS_RESIDUAL_MAX_S)
 
 
 # How far the arms' own timings may claim more speed than the trusted timer's brackets of the
@@ -24,12 +52,23 @@ def subtract_overhead(times: list[float], overhead: float) -> list[float]:
 OWN_TIMING_ALLOWANCE = 0.10
 
 
+# What the brackets cannot resolve, per call: after both subtractions an honest candidate's
+# brackets still read up to about 3.5 us more than its own events on an H200 (the context switch
+# into each process varies by microseconds), most of a 4 us kernel's time. The candidate's
+# brackets are read this much shorter before they are compared; its own clock is not trusted
+# more than this anyway (it is read through functions taken before candidate code loads).
+BRACKET_RESOLUTION_S = 5e-6
+
+
 def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]], gate: GateConfig) -> RatioCI | None:
     """The geomean speedup by the trusted timer's brackets alone, where the arms timed
-    themselves as well (GPU); None where the brackets are the samples already (CPU)."""
+    themselves as well (GPU), with the benefit of the brackets' resolution given to the
+    candidate; None where the brackets are the samples already (CPU)."""
     trusted = [
         ShapeSamples(
-            name=m["name"], baseline_s=samples[m["name"]]["trusted_a"], candidate_s=samples[m["name"]]["trusted_b"]
+            name=m["name"],
+            baseline_s=samples[m["name"]]["trusted_a"],
+            candidate_s=subtract_overhead(samples[m["name"]]["trusted_b"], BRACKET_RESOLUTION_S),
         )
         for m in shape_meta
         if samples[m["name"]].get("trusted_a")
@@ -42,9 +81,9 @@ def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]
 def trusted_pairs(
     baseline: list[float], candidate: list[float], baseline_late: list[bool], candidate_late: list[bool]
 ) -> list[tuple[float, float]]:
-    """The bracket pairs the trusted side is computed from. A late bracket (the arm's work was
-    done before the timer queued its end event, so it also timed launch latency) drops its
-    pair. An arm late on purpose (replying only once its work is done) must not empty the
+    """The bracket pairs the trusted side is computed from. A late bracket (the GPU was past the
+    release before the arm had queued its work, so it may also have timed launch latency)
+    drops its pair. An arm late on purpose (replying only once its work is done) must not empty the
     trusted side: when fewer than half the pairs are on time, every pair counts, and a late
     bracket only makes its own arm look slower."""
     both = list(zip(baseline, candidate, strict=True))

@@ -36,15 +36,21 @@ from loom_mcp.worker import exchange, handoff, under_test
 from loom_mcp.worker.harness import as_output_list, build_model, pick_device, synchronize, to_device
 from loom_mcp.worker.protocol import exit_now, read_request, send_result
 
-# Harness functions a candidate has no business replacing. Timing no longer happens in this
-# process, so a replacement changes no number; it is still reported, as intent.
+# Harness functions a candidate has no business replacing, taken before any candidate code is
+# imported. The arm's own GPU timings call these originals, so rebinding the names changes no
+# number; a replacement is still reported, as intent. (What a rebinding cannot reach, the
+# trusted timer's brackets check: see bench.trusted.)
 _GUARDED = {
     "time.perf_counter": (lambda: time.perf_counter, time.perf_counter),
     "torch.cuda.Event": (lambda: torch.cuda.Event, torch.cuda.Event),
+    "torch.cuda.Event.record": (lambda: torch.cuda.Event.record, torch.cuda.Event.record),
     "torch.cuda.Event.elapsed_time": (lambda: torch.cuda.Event.elapsed_time, torch.cuda.Event.elapsed_time),
     "torch.cuda.synchronize": (lambda: torch.cuda.synchronize, torch.cuda.synchronize),
 }
 _perf_counter = time.perf_counter
+_Event = torch.cuda.Event
+_record = torch.cuda.Event.record
+_elapsed = torch.cuda.Event.elapsed_time
 
 
 def tampered() -> list[str]:
@@ -173,10 +179,10 @@ class Arm:
             if not empty:
                 # The arm's own reading of the same call (see `times`): precise, but only ever
                 # checked against the timer's, never trusted alone.
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.stream)
+                start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+                _record(start, self.stream)
                 outputs = self._launch(set_index)
-                end.record(self.stream)
+                _record(end, self.stream)
                 self.own_events.append((start, end))
                 reply = self._hand_over(outputs)
             self.done.record(self.stream)
@@ -188,7 +194,7 @@ class Arm:
         """The arm's own event timings of the calls since the last ask, in order."""
         if self.stream is not None:
             self.stream.synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in self.own_events]
+        times = [_elapsed(a, b) / 1e3 for a, b in self.own_events]
         self.own_events = []
         return {"times": times}
 

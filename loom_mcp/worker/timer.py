@@ -58,8 +58,8 @@ MAX_PROBES = 64
 MIN_OUTPUT_CAP = 256 << 20
 OUTPUT_CAP_PER_INPUT = 8
 # Cycles this stream sleeps before a call is released: the arm's launches must be queued by
-# then. Doubled (up to the cap) whenever the arm's work was already done when the end event
-# was queued, i.e. the host round trip outran the hold and the bracket timed launch latency.
+# then. Doubled (up to the cap) whenever the GPU was past the release before the arm replied,
+# i.e. the host round trip outran the hold and the bracket may have timed launch latency.
 HOLD_CYCLES = 400_000
 HOLD_CYCLES_MAX = 16_000_000
 HOLD_DECAY = 0.9
@@ -239,9 +239,13 @@ class Timer:
         sees), and the bracket's reading is charged for it."""
         sources = [torch.empty_like(slot) for slot in slots]
         runs = []
-        for _ in range(5):
+        for _ in range(7):
             if self.gpu:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                # Held, as a bracket is, so the copies are queued before the start event runs:
+                # unheld, the reading held the copy's launch latency too (15-30 us where the
+                # copy takes 2), more than a short call, whose brackets it floored to nothing.
+                torch.cuda._sleep(HOLD_CYCLES)
                 start.record()
                 for slot, source in zip(slots, sources, strict=True):
                     slot.copy_(source)
@@ -282,9 +286,11 @@ class Timer:
         self.go.record()
         reply = arm.ask({"op": "call", "set": set_index, "empty": empty})
         done = self.done[role]
-        if done.query():
-            # The GPU idled between go and the arm's work: this bracket timed launch latency,
-            # so it is dropped, and the hold doubles.
+        if self.go.query():
+            # The GPU was past go before the arm's reply (sent once all its work was queued):
+            # it may have idled inside the bracket waiting for launches, so the bracket may
+            # hold launch latency. Such a bracket is dropped, and the hold doubles. (Asking
+            # only whether the arm's work was already done missed the partial idling.)
             self.late += 1
             self.hold = min(self.hold * 2, HOLD_CYCLES_MAX)
             reply = {**reply, "late": True}
@@ -319,12 +325,13 @@ class Timer:
     def batch(self, order: list[str], salt: int, probe: list[int], empties: int) -> dict:
         """For each arm in `order`: a warm-up call on set 0, then each other set once, every call
         on freshly perturbed inputs and bracketed here; the baseline also runs `empties` calls
-        that do nothing, which measure the bracket's own cost."""
+        that do nothing, which measure the bracket's own cost, and so does the candidate: the
+        context switch into one process costs microseconds more or less than into another."""
         # The positions stay in this process: no arm can compute just them.
         self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64, device=self.device)
         sets = len(self.current["live"])
         out: dict[str, Any] = {}
-        overhead: list[float] = []
+        overhead: dict[str, list[float]] = {}
         for role in order:
             arm = self.arms[role]
             brackets, snapshots, replies, empty_brackets = [], [], [], []
@@ -338,13 +345,12 @@ class Timer:
                 brackets.append(bracket)
                 snapshots.append((snap, reply))
                 replies.append(reply)
-            if role == "baseline":
-                for _ in range(empties):
-                    if self.gpu:
-                        bracket, _, _ = self._call_gpu(arm, role, 0, True, salt)
-                    else:
-                        bracket, _, _ = self._call_cpu(arm, role, 0, True, salt)
-                    empty_brackets.append(bracket)
+            for _ in range(empties):
+                if self.gpu:
+                    bracket, _, _ = self._call_gpu(arm, role, 0, True, salt)
+                else:
+                    bracket, _, _ = self._call_cpu(arm, role, 0, True, salt)
+                empty_brackets.append(bracket)
             synchronize(self.device)
             # On a GPU the arm also timed its work with its own events (precise, but taken in a
             # process that runs the code under test): reported beside the timer's, for the
@@ -353,7 +359,7 @@ class Timer:
             times = [self._seconds(b) - self.copy_s.get(role, 0.0) for b in brackets]
             # Late brackets timed launch latency too: the server leaves their pairs out.
             late = [bool(reply.get("late")) for reply in replies]
-            overhead += [self._seconds(b) for b in empty_brackets]
+            overhead[role] = [self._seconds(b) for b in empty_brackets]
             read: list = []
             error = None
             for snap, reply in snapshots:
@@ -371,7 +377,13 @@ class Timer:
                 "error": error,
                 "tampered": tampered,
             }
-        return {"arms": out, "overhead": overhead, "late": self.late, "hold_cycles": self.hold}
+        return {
+            "arms": out,
+            "overhead": overhead.get("baseline", []),
+            "overhead_candidate": overhead.get("candidate", []),
+            "late": self.late,
+            "hold_cycles": self.hold,
+        }
 
     def _seconds(self, bracket: Any) -> float:
         if isinstance(bracket, float):
