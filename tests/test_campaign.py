@@ -51,6 +51,7 @@ async def start(client, repo: Path, **extra) -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_accept_commits_reject_does_not_and_report_tells_it(setup):
     repo, home = setup
     before = user_state(repo)
@@ -83,6 +84,7 @@ async def test_accept_commits_reject_does_not_and_report_tells_it(setup):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_budget_is_enforced_from_the_ledger(setup):
     repo, home = setup
     async with Client(build_server(load_config(home))) as client:
@@ -143,6 +145,7 @@ def test_kill_9_during_submission_leaves_nothing_half_done(setup):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_two_clients_submitting_at_once_stay_linear(setup, tmp_path):
     repo, home = setup
     (repo / "candidate2.py").write_text((repo / "candidate.py").read_text().replace("EPS = 1e-6", "EPS = 1.0e-6"))
@@ -204,6 +207,7 @@ PLAIN = "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_benchmark_times_the_tasks_baseline_not_its_oracle(setup):
     """A task whose Model is a slow oracle names a BASELINE; timing against the oracle would
     report a 1000x 'speedup' for a copy of the baseline."""
@@ -221,6 +225,7 @@ async def test_benchmark_times_the_tasks_baseline_not_its_oracle(setup):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_submission_reuses_a_passed_validation_of_the_same_bytes(setup):
     """run_validation before submitting is not paid twice: same task and candidate bytes, same
     device, software and policy, and every such validation passed."""
@@ -238,6 +243,7 @@ async def test_submission_reuses_a_passed_validation_of_the_same_bytes(setup):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_failed_validation_blocks_reuse(setup):
     """A candidate that failed once on these bytes is validated afresh at submission, so a
     lucky pass cannot be fished for and then reused."""

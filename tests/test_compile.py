@@ -62,6 +62,7 @@ async def test_nvcc_error_points_at_the_users_line(server, tmp_path):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_triton_kernels_are_found_and_errors_located(server, tmp_path):
     async with Client(server) as client:
         ok = await client.call_tool("compile_kernel", {

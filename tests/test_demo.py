@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loom_mcp.demo import wall_clock_notice, write_config
 
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_loop(tmp_path):
     done = subprocess.run([LOOM, "demo", "--workdir", str(tmp_path / "demo")], capture_output=True,
                           text=True, timeout=600)

@@ -732,6 +732,7 @@ async def validate(server, workspace: Path, candidate: str) -> dict:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("candidate", sorted(GUARD_CHEATS))
+@pytest.mark.slow
 async def test_guard_cheats_are_rejected_with_the_named_check(server, workspace, candidate):
     report = await validate(server, workspace, candidate)
     errors = {f["check"] for f in report["findings"] if f["severity"] == "error"}
@@ -755,6 +756,7 @@ async def test_honest_torch_compile_candidate_is_not_refused_in_validation(serve
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_profile_of_a_candidate_runs_under_the_guard(server, workspace):
     from mcp import Client
 

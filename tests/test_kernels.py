@@ -414,6 +414,7 @@ def interpreted() -> dict[str, dict[str, dict]]:
 
 
 @pytest.mark.parametrize("task_name,file", candidate_params())
+@pytest.mark.slow
 def test_candidate_matches_reference_under_interpreter(interpreted, task_name, file):
     entry = interpreted[task_name][file]
     assert "crash" not in entry, entry["crash"]
@@ -432,6 +433,7 @@ def test_candidate_torch_path_without_interpreter(task_name, file, monkeypatch):
 
 
 @pytest.mark.parametrize("task_name,cheat", cheat_params())
+@pytest.mark.slow
 def test_cheat_passes_lazy_check_but_fails_judge(interpreted, task_name, cheat):
     entry = interpreted[task_name][cheat.file]
     assert "crash" not in entry, entry["crash"]

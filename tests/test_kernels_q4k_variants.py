@@ -21,6 +21,7 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 
 @pytest.mark.parametrize("task", ["q4k_gemv", "q4k_gemm"])
+@pytest.mark.slow
 def test_candidate_self_check_under_the_interpreter(task):
     """The file's __main__ compares every configuration it lists with a float64 product."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -46,6 +46,7 @@ def test_arms_are_built_from_settings_and_revisions():
             tool.tool_arguments(wrong, bench)
 
 
+@pytest.mark.slow
 def test_the_model_program_at_two_revisions_through_a_stdio_server(tmp_path):
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}

@@ -58,6 +58,7 @@ async def test_diff_of_two_vendors(server):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_profile_a_task_then_analyze_by_id(server):
     async with Client(server) as client:
         result = await client.call_tool("profile", {

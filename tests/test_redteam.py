@@ -66,6 +66,7 @@ async def validate(server, workspace: Path, candidate: str) -> dict:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_result_of_the_wrong_shape_is_the_candidates_crash_not_internal(server, workspace):
     """The result pipe carries whatever the worker's process sends: a candidate that answers it
     with an array and exits 0 fails validation as a crash (it was [INTERNAL] before)."""
@@ -145,6 +146,7 @@ async def test_forged_event_clocks_change_no_number_on_gpu(server, workspace):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_phase_detection_is_caught_while_timed(server, workspace):
     """Honest for its first 20 calls (enough to pass validation), garbage afterwards."""
     report = await validate(server, workspace, "cheat_phase_detection.py")
@@ -155,6 +157,7 @@ async def test_phase_detection_is_caught_while_timed(server, workspace):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("shape", ["rows5_d37", "rows8_d64"])
+@pytest.mark.slow
 async def test_partial_work_once_timed_is_caught_while_timed(server, workspace, shape):
     """The last row skipped after validation: a fifth (5 rows) or an eighth (8 rows) of the
     output, under a quarter of most single calls' probes, so it is the shape's calls together
@@ -166,12 +169,14 @@ async def test_partial_work_once_timed_is_caught_while_timed(server, workspace, 
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_pointer_cache_serves_stale_results_while_timed(server, workspace):
     timed = await bench(server, workspace, "cheat_pointer_cache.py")
     assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_timer_patch_is_detected_while_timed(server, workspace):
     timed = await bench(server, workspace, "cheat_timer_patch.py")
     checks = {f["check"] for f in timed["findings"]}
@@ -193,6 +198,7 @@ def bench_workers() -> list[int]:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_honest_benchmark_reports_statistics(server, workspace):
     timed = await bench(server, workspace, "honest_torch.py")
     # No arm outlives the call: they are ended at "quit", and the whole process tree with them.

@@ -55,6 +55,7 @@ async def validate(server, workspace: Path, candidate: str) -> tuple[dict, dict]
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("candidate", sorted(CHEATS))
+@pytest.mark.slow
 async def test_degenerate_outputs_are_rejected_as_mismatch(server, workspace, candidate):
     report, evidence = await validate(server, workspace, candidate)
     errors = {f["check"]: f["message"] for f in report["findings"] if f["severity"] == "error"}

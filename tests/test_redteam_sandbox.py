@@ -78,6 +78,7 @@ needs_view = pytest.mark.skipif(not _view(), reason="no root view on this kernel
 
 @needs_view
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_candidate_cannot_reach_a_host_unix_socket(server, workspace):
     path = workspace / "host.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

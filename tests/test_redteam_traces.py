@@ -142,6 +142,7 @@ BOMBS = {
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("attack", list(BOMBS))
+@pytest.mark.slow
 async def test_bomb_is_refused_quickly_and_the_server_keeps_answering(attack, attacks, tmp_path,
                                                                       home):
     normal = shutil.copy(NORMAL, tmp_path / "normal.json")
@@ -218,6 +219,7 @@ def _rocprof_trace(path: Path, n: int) -> Path:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_each_limit_is_named(tmp_path, home, monkeypatch, attacks):
     normal = Path(shutil.copy(NORMAL, tmp_path / "normal.json"))
     gz = tmp_path / "big.json.gz"
@@ -282,6 +284,7 @@ def _fragments(s: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_no_secret_in_anything_analyze_trace_returns(tmp_path, home):
     s = leaks.secrets()
     named = tmp_path / f"trace_{s['aws']}.json"  # the file name carries one too

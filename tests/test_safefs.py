@@ -349,6 +349,7 @@ def _profile_with(tmp_path: Path, monkeypatch, plant):
     what a hostile job could have done to its directory before the server looks."""
     import anyio
 
+    from loom_mcp.config import load_config
     from loom_mcp.profiling import runner
     from loom_mcp.store import ArtifactStore, Ledger
 
@@ -366,9 +367,9 @@ def _profile_with(tmp_path: Path, monkeypatch, plant):
 
     async def go():
         return await runner.profile_workload(
-            ledger=ledger, artifacts=artifacts, jobs_dir=home / "jobs", cache_dir=home / "cache",
+            load_config(home), ledger, artifacts,
             profiler="torch", task=tmp_path / "task.py", candidate=None, shape=None, script=None,
-            args=[], command=None, warmup=0, active=1, device="cpu", timeout_s=60,
+            args=[], command=None, warmup=0, active=1, device="cpu",
             campaign_id=None, progress=None)
 
     return anyio.run(go), home
@@ -439,6 +440,7 @@ def _attack_workspace(tmp_path: Path, mode: str, victim_text: str) -> tuple[Path
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("attack", ["scrubbed", "tracelink", "fifo"])
+@pytest.mark.slow
 async def test_profile_attack_through_mcp(tmp_path, attack):
     pytest.importorskip("torch")
     from mcp import Client

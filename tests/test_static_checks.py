@@ -53,57 +53,345 @@ def test_honest_candidates_are_clean(path: Path):
 
 # ---------------------------------------------------------------- one cheating file per class
 
+# One file per cheating class: the check it must trip, and its source (written to a file, so
+# the findings' locations are checked too).
 CHEATS = {
-    "cheat_monkeypatch.py": "static.monkeypatch",
-    "cheat_threads.py": "static.threads",
-    "cheat_extra_stream.py": "static.extra_stream",
-    "cheat_inline_stream.py": "static.extra_stream",
-    "cheat_tensor_subclass.py": "static.tensor_subclass",
-    "cheat_reference_use.py": "static.reference_use",
-    "cheat_try_fallback.py": "static.try_fallback",
-    "cheat_bare_except.py": "static.try_fallback",
-    "cheat_grader_introspection.py": "static.grader_introspection",
-    "cheat_io.py": "static.io",
-    "cheat_pointer_cache.py": "static.pointer_cache",
-    "cheat_ctypes.py": "static.ctypes",
-    "cheat_dynamic_code.py": "static.dynamic_code",
+    "cheat_monkeypatch": ("static.monkeypatch", '''\
+"""Cheat: patches the CUDA event timer so every measurement reads a tiny time."""
+
+import torch
+import torch.nn as nn
+
+_real_elapsed = torch.cuda.Event.elapsed_time
+
+
+def _fast(self, end_event):
+    return _real_elapsed(self, end_event) * 0.01
+
+
+torch.cuda.Event.elapsed_time = _fast
+setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # noqa: B010
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+'''),
+    "cheat_threads": ("static.threads", '''\
+"""Cheat: returns an empty buffer and fills it from a background thread after the timer stops."""
+
+import threading
+
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        out = torch.empty(a.shape[0], b.shape[1], device=a.device)
+
+        def work():
+            out.copy_(a @ b)
+
+        threading.Thread(target=work).start()
+        return out
+'''),
+    "cheat_extra_stream": ("static.extra_stream", '''\
+"""Cheat: launches the work on a side stream the harness's end event does not wait for."""
+
+import torch
+import torch.nn as nn
+
+_side = torch.cuda.Stream()
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        with torch.cuda.stream(_side):
+            return torch.matmul(a, b)
+'''),
+    "cheat_inline_stream": ("static.extra_stream", '''\
+"""Cheat: inline CUDA that creates its own non-blocking stream and a host thread."""
+
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = r"""
+#include <torch/extension.h>
+#include <thread>
+
+__global__ void copy_kernel(const float* x, float* y, int64_t n) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
+}
+
+torch::Tensor fast_copy(torch::Tensor x) {
+    auto y = torch::empty_like(x);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    int64_t n = x.numel();
+    std::thread([=]() {
+        copy_kernel<<<(n + 255) / 256, 256, 0, s>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
+    }).detach();
+    return y;
+}
+"""
+
+ext = load_inline(
+    name="fast_copy",
+    cpp_sources="torch::Tensor fast_copy(torch::Tensor x);",
+    cuda_sources=cuda_source,
+    functions=["fast_copy"],
+)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return ext.fast_copy(x)
+'''),
+    "cheat_tensor_subclass": ("static.tensor_subclass", '''\
+"""Cheat: a lazy tensor that defers the matmul until the checker touches it."""
+
+import torch
+import torch.nn as nn
+
+
+class LazyResult(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        out = torch.empty(a.shape[0], b.shape[1], device=a.device)
+        return torch.Tensor._make_subclass(LazyResult, out)
+'''),
+    "cheat_reference_use": ("static.reference_use", '''\
+"""Cheat: inherits the reference and calls its forward."""
+
+import torch.nn as nn  # noqa: F401
+from reference import Model
+
+
+class ModelNew(Model):
+    def forward(self, a, b):
+        return super().forward(a, b)
+'''),
+    "cheat_try_fallback": ("static.try_fallback", '''\
+"""Cheat: tries a broken kernel, falls back to PyTorch when it fails."""
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softmax_kernel(out_ptr, in_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(in_ptr + row * n_cols + cols)
+    tl.store(out_ptr + row * n_cols + cols, x)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        try:
+            softmax_kernel[(x.shape[0],)](
+                out, x, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1])
+            )
+        except Exception:
+            return torch.softmax(x, dim=-1)
+        return out
+'''),
+    "cheat_bare_except": ("static.try_fallback", '''\
+"""Cheat: a bare except around the kernel launch hides that it never ran."""
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        try:
+            scale_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        except:  # noqa: E722
+            pass
+        return out
+'''),
+    "cheat_grader_introspection": ("static.grader_introspection", '''\
+"""Cheat: walks the caller's frames to find the reference output and returns it."""
+
+import inspect
+import sys
+
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        for frame_info in inspect.stack():
+            ref = frame_info.frame.f_locals.get("ref_output")
+            if isinstance(ref, torch.Tensor):
+                return ref.clone()
+        caller = sys._getframe(1)
+        return caller.f_globals["expected"]
+'''),
+    "cheat_io": ("static.io", '''\
+"""Cheat: replays results stashed in shared memory by an earlier run."""
+
+import os
+import pickle
+
+import torch
+import torch.nn as nn
+
+CACHE = "/dev/shm/loom_results.pkl"
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        if os.path.exists(CACHE):
+            with open(CACHE, "rb") as f:
+                return pickle.load(f)
+        out = torch.relu(x)
+        torch.save(out, CACHE)
+        return out
+'''),
+    "cheat_pointer_cache": ("static.pointer_cache", '''\
+"""Cheat: caches outputs by input address, so timed repeats do no work."""
+
+import torch
+import torch.nn as nn
+
+_cache = {}
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        key = (a.data_ptr(), b.data_ptr(), tuple(a.shape))
+        if key in _cache:
+            return _cache[key]
+        out = torch.matmul(a, b)
+        _cache[id(a)] = out
+        _cache[key] = out
+        return out
+'''),
+    "cheat_ctypes": ("static.ctypes", '''\
+"""Cheat: calls the CUDA runtime directly to create a stream the harness cannot see."""
+
+import ctypes
+
+import torch
+import torch.nn as nn
+
+_cudart = ctypes.CDLL("libcudart.so")
+_stream = ctypes.c_void_p()
+_cudart.cudaStreamCreate(ctypes.byref(_stream))
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+'''),
+    "cheat_dynamic_code": ("static.dynamic_code", '''\
+"""Cheat: hides its patching in an encoded string the static checks cannot read."""
+
+import base64
+
+import torch
+import torch.nn as nn
+
+_payload = base64.b64decode(b"dG9yY2guY3VkYS5zeW5jaHJvbml6ZSA9IGxhbWJkYTogTm9uZQ==").decode()
+exec(_payload)
+_threading = __import__("thread" + "ing")
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+'''),
 }
 WARN_ONLY = {
-    "cheat_precision_downgrade.py": "static.precision_downgrade",
-    "cheat_seed.py": "static.seed",
+    "cheat_precision_downgrade": ("static.precision_downgrade", '''\
+"""Cheat: runs an fp32 matmul in half precision and TF32."""
+
+import torch
+import torch.nn as nn
+
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.set_float32_matmul_precision("medium")
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a.half(), b.to(torch.float16)).float()
+'''),
+    "cheat_seed": ("static.seed", '''\
+"""Cheat: reseeds the RNG to regenerate the harness's inputs and precompute answers."""
+
+import torch
+import torch.nn as nn
+
+torch.manual_seed(42)
+_expected = torch.rand(4096, 4096) @ torch.rand(4096, 4096)
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        torch.cuda.manual_seed_all(42)
+        return _expected.to(a.device)
+'''),
 }
 
 
-def test_every_cheat_file_is_listed():
-    on_disk = {p.name for p in CANDIDATES.glob("cheat_*.py")}
-    assert on_disk == set(CHEATS) | set(WARN_ONLY)
+def _cheat_file(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return path
 
 
-@pytest.mark.parametrize("name,check", sorted(CHEATS.items()))
-def test_cheating_candidates_fail(name: str, check: str):
-    findings = check_candidate_file(CANDIDATES / name)
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_cheating_candidates_fail(name: str, tmp_path: Path):
+    check, source = CHEATS[name]
+    path = _cheat_file(tmp_path, name, source)
+    findings = check_candidate_file(path)
     assert has_errors(findings)
     assert check in checks(findings, "error")
     for f in findings:
         assert f.check in CHECKS
         if f.check != "static.no_kernel":
-            assert f.line is not None and f.where == f"{CANDIDATES / name}:{f.line}"
+            assert f.line is not None and f.where == f"{path}:{f.line}"
         assert f.message.endswith(".")
 
 
-@pytest.mark.parametrize("name,check", sorted(WARN_ONLY.items()))
-def test_warning_classes_warn_without_failing(name: str, check: str):
-    findings = check_candidate_file(CANDIDATES / name)
+@pytest.mark.parametrize("name", sorted(WARN_ONLY))
+def test_warning_classes_warn_without_failing(name: str, tmp_path: Path):
+    check, source = WARN_ONLY[name]
+    findings = check_candidate_file(_cheat_file(tmp_path, name, source))
     assert check in checks(findings, "warning")
     assert check not in checks(findings, "error")
 
 
 def test_findings_point_at_the_right_lines():
-    findings = check_candidate_file(CANDIDATES / "cheat_monkeypatch.py")
+    source = CHEATS["cheat_monkeypatch"][1]
+    findings = check_candidate_source(source, "cheat_monkeypatch.py")
     lines = {f.line for f in findings if f.check == "static.monkeypatch"}
-    source = (CANDIDATES / "cheat_monkeypatch.py").read_text().splitlines()
-    assert any("elapsed_time = _fast" in source[line - 1] for line in lines)
-    assert any("setattr(torch.cuda" in source[line - 1] for line in lines)
+    text = source.splitlines()
+    assert any("elapsed_time = _fast" in text[line - 1] for line in lines)
+    assert any("setattr(torch.cuda" in text[line - 1] for line in lines)
 
 
 # ---------------------------------------------------------------- monkeypatching

@@ -128,6 +128,7 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> No
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_http_transport_on_loopback(tmp_path):
     port = free_port()
     proc = subprocess.Popen([LOOM, "--http", "--port", str(port)], stdout=subprocess.DEVNULL,
@@ -191,6 +192,7 @@ def test_version_and_doctor(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("npx") is None, reason="npx is not installed")
+@pytest.mark.slow
 def test_mcp_inspector_cli_lists_calls_and_reads(tmp_path):
     """An external client: the MCP Inspector's CLI lists tools, calls two, and reads a resource."""
     from .conftest import make_git_repo
@@ -231,6 +233,7 @@ def processes_working_under(root: Path) -> list[int]:
 
 @pytest.mark.anyio
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs /proc")
+@pytest.mark.slow
 async def test_idle_warm_workers_go_when_the_server_does(tmp_path):
     redteam = Path(__file__).parent / "redteam"
     for name in ("task_rmsnorm.py", "honest_torch.py"):

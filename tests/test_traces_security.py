@@ -123,6 +123,7 @@ def test_scrub_nsys(tmp_path):
     assert not s.metadata.found and s.timeline.busy_us == 30.5
 
 
+@pytest.mark.slow
 def test_scrub_rocprofv3(tmp_path):
     src = FIXTURES / "rocprofv3_908_results.json.gz"
     dst = tmp_path / "clean.json.gz"

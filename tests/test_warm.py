@@ -122,6 +122,7 @@ async def test_a_worker_idle_too_long_exits_and_is_replaced(tmp_path: Path, monk
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_hanging_warm_job_times_out_and_its_tree_is_killed(tmp_path: Path) -> None:
     task = tmp_path / "task.py"
     task.write_text(TASK.replace('SHAPES = [{"name": "small", "n": 16}]',
@@ -205,6 +206,7 @@ async def test_jobs_and_warm_workers_are_forked_on_the_event_loop_thread(tmp_pat
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("keep_warm", [True, False])
+@pytest.mark.slow
 async def test_the_humans_config_decides_whether_a_worker_is_kept_warm(tmp_path: Path, keep_warm: bool) -> None:
     from mcp import Client
 
