@@ -25,33 +25,13 @@ async def _check(
     from loom_mcp.runtime import open_services
 
     services = open_services(config)
-    validation, evidence, _ = await judge.run_validation(
-        config,
-        services.ledger,
-        services.artifacts,
-        task=task,
-        candidate=candidate,
-        seeds=None,
-        shapes=shapes,
-        campaign_id=None,
-        progress=None,
-        task_globals=task_globals,
-    )
+    stores = (config, services.ledger, services.artifacts)
+    call = judge.JudgeCall(task, candidate, shapes, task_globals=task_globals)  # no campaign, no progress
+    validation, evidence, _ = await judge.run_validation(*stores, call)
     out: dict = {"validation": validation.model_dump(), "task_globals": task_globals or {}}
     bench_evidence = None
     if validation.passed:
-        bench, bench_evidence, findings, _ = await judge.run_benchmark(
-            config,
-            services.ledger,
-            services.artifacts,
-            task=task,
-            candidate=candidate,
-            baseline=baseline,
-            shapes=shapes,
-            campaign_id=None,
-            progress=None,
-            task_globals=task_globals,
-        )
+        bench, bench_evidence, findings, _ = await judge.run_benchmark(*stores, call, baseline=baseline)
         out["benchmark"] = bench.model_dump()
     verdict = decide(CompileEvidence(ok=True), evidence, bench_evidence, config.gate)
     out["verdict"] = verdict.model_dump()

@@ -48,7 +48,6 @@ async def run_command_benchmark(
         )
     cwd_path = config.check_allowed(Path(cwd), "cwd") if cwd else None
     run_id = new_run_id("benchmark")
-    job_dir = config.jobs_dir / run_id
     target = await judge.pick_target(config)
 
     async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
@@ -58,14 +57,15 @@ async def run_command_benchmark(
                 candidate=command,
                 metrics=metrics,
                 runs=runs,
-                job_dir=job_dir,
+                # the server's settings, none of them the caller's
+                gate=config.gate,
+                job_dir=config.jobs_dir / run_id,
                 timeout_s=config.job_timeout_s,
+                # how the caller's commands run
                 cwd=where,
-                env=None,
                 parser=parser,
                 metrics_file=metrics_file,
                 warmup=warmup,
-                gate=config.gate,
                 progress=progress,
             )
         return result

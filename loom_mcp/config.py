@@ -50,8 +50,18 @@ def _three_quarters_of_ram() -> int:
         return 16 << 30
 
 
+class _InHome:
+    """A fixed place inside LOOM_HOME, read as a path attribute of the config."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, config: LoomConfig, owner: type | None = None) -> Path:
+        return config.home / self.name
+
+
 class LoomConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ignored_types=(_InHome,))
     home: Path
     allowed_roots: list[Path] = Field(
         description="Repositories, tasks and candidates must live under one of these directories"
@@ -82,25 +92,12 @@ class LoomConfig(BaseModel):
     _source: ConfigSource | None = PrivateAttr(default=None)
     _seen: tuple[tuple | None, str | None] | None = PrivateAttr(default=None)
 
-    @property
-    def ledger_path(self) -> Path:
-        return self.home / "ledger.sqlite3"
-
-    @property
-    def artifacts_dir(self) -> Path:
-        return self.home / "artifacts"
-
-    @property
-    def jobs_dir(self) -> Path:
-        return self.home / "jobs"
-
-    @property
-    def locks_dir(self) -> Path:
-        return self.home / "locks"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.home / "cache"
+    # LOOM_HOME's layout.
+    ledger_path = _InHome("ledger.sqlite3")
+    artifacts_dir = _InHome("artifacts")
+    jobs_dir = _InHome("jobs")
+    locks_dir = _InHome("locks")
+    cache_dir = _InHome("cache")
 
     def fingerprint(self) -> str:
         """Hash of everything that affects a verdict (not paths), recorded with each campaign."""

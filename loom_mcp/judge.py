@@ -194,6 +194,27 @@ def store_record(
     ledger.insert_run(run_id, kind, sha, summary.model_dump(), campaign_id, reuse_key=reuse_key)
 
 
+@dataclass
+class JudgeCall:
+    """What a validation or a benchmark judges, the same for both: the task and the candidate
+    (paths as the caller gave them), the task's shapes and globals, the campaign the run is
+    recorded under, and where progress messages go."""
+
+    task: str
+    candidate: str
+    shapes: list[str] | None = None  # None: every shape
+    campaign_id: str | None = None
+    progress: Progress | None = None
+    task_globals: dict[str, Any] | None = None
+
+    def checked(self, config: LoomConfig) -> tuple[Path, Path, dict[str, Any]]:
+        """The task and candidate files checked against the allowed roots, and the task_globals
+        checked against the task's module-level names."""
+        task_path = check_file(config, self.task, "task")
+        cand_path = check_file(config, self.candidate, "candidate")
+        return task_path, cand_path, checked_task_globals(task_path, self.task_globals)
+
+
 class Leased:
     """Holds the target's lease and measures how long (the device seconds of the call)."""
 
@@ -240,17 +261,15 @@ async def compile_kernel(
 
     async def run(device: str, target: str | None) -> CompileResult:
         return await compile_source(
+            config,
+            artifacts,
+            toolchain,
             source=src,
             language=language,
             target=target,
             flags=flags,
             task=task_path,
             device=device,
-            cache_dir=config.cache_dir,
-            artifacts=artifacts,
-            job_dir=config.jobs_dir / new_run_id("compile"),
-            timeout_s=config.job_timeout_s,
-            toolchain=toolchain,
             progress=progress,
             task_globals=task_globals,
         )
@@ -280,19 +299,10 @@ def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, 
         passing = [c for c in evidence.cases if c.max_rel_err is not None]
         worst = max(passing, key=lambda c: c.max_rel_err or 0.0, default=None)
 
-    def summary(c) -> CaseSummary:
-        return CaseSummary(
-            shape=c.shape,
-            seed=c.seed,
-            input_kind=c.input_kind,
-            passed=c.passed,
-            max_abs_err=c.max_abs_err,
-            max_rel_err=c.max_rel_err,
-            ref_max_abs_err=c.ref_max_abs_err,
-            norm_rel_err=c.norm_rel_err,
-            ref_norm_rel_err=c.ref_norm_rel_err,
-            message=(c.message or "")[:300] or None,
-        )
+    def summary(c: ValidationCase) -> CaseSummary:
+        # Every field the summary has is the case's own, but the message is cut short.
+        same = c.model_dump(include=set(CaseSummary.model_fields) - {"message"})
+        return CaseSummary(**same, message=(c.message or "")[:300] or None)
 
     shapes = list(dict.fromkeys(c.shape for c in evidence.cases))
     if evidence.passed:
@@ -316,40 +326,28 @@ def summarize_validation(evidence: ValidationEvidence, device: str, seeds: int, 
 
 
 async def run_validation(
-    config: LoomConfig,
-    ledger: Ledger,
-    artifacts: ArtifactStore,
-    *,
-    task: str,
-    candidate: str,
-    seeds: int | None,
-    shapes: list[str] | None,
-    campaign_id: str | None,
-    progress: Progress | None,
-    task_globals: dict[str, Any] | None = None,
+    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, call: JudgeCall, seeds: int | None = None
 ) -> tuple[RunValidationResult, ValidationEvidence, float]:
-    task_path = check_file(config, task, "task")
-    cand_path = check_file(config, candidate, "candidate")
-    task_globals = checked_task_globals(task_path, task_globals)
+    task_path, cand_path, task_globals = call.checked(config)
     seeds = max(seeds or config.gate.seeds, config.gate.seeds)  # more seeds than policy, never fewer
     target = await pick_target(config)
     run_id = new_run_id("validation")
     started = time.monotonic()
     # The job runs a server-owned copy; the key and the record are of the same bytes.
     ran = await anyio.to_thread.run_sync(snapshot, cand_path, config.jobs_dir / run_id / "code")
-    reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, shapes, task_globals)
-    async with Leased(config, target, progress) as held:
+    reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, call.shapes, task_globals)
+    async with Leased(config, target, call.progress) as held:
         evidence = await validate_candidate(
             task=task_path,
             candidate=ran,
             job_dir=config.jobs_dir / run_id,
             seeds=seeds,
-            shapes=shapes,
+            shapes=call.shapes,
             device=target.torch_device,
             timeout_s=config.job_timeout_s,
             validation_id=run_id,
             keep_warm=config.warm_workers,
-            progress=progress,
+            progress=call.progress,
             task_globals=task_globals,
         )
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
@@ -367,7 +365,7 @@ async def run_validation(
             "reuse_key": reuse_key,
         },
         result,
-        campaign_id,
+        call.campaign_id,
         reuse_key=reuse_key,
     )
     return result, evidence, held.seconds
@@ -386,6 +384,21 @@ def flush_bytes_for(target: Target) -> int:
         return 0
     l2 = target.device.peak.l2_bytes if target.device.peak else None
     return max(2 * l2, 256 << 20) if l2 else 256 << 20
+
+
+# What a benchmark's result reports of its evidence unchanged (the same name in both).
+_EVIDENCE_AS_IS = {
+    "benchmark_id",
+    "device",
+    "timer",
+    "l2_flushed",
+    "graph_replay",
+    "throttled_samples_dropped",
+    "proof_of_execution",
+    "proof_note",
+    "blocks",
+    "block_geomeans",
+}
 
 
 def summarize_benchmark(
@@ -434,24 +447,15 @@ def summarize_benchmark(
     else:
         next_step = benchmark_advice(evidence, gate)
     return BenchmarkResult(
-        benchmark_id=evidence.benchmark_id,
-        device=evidence.device,
-        timer=evidence.timer,
+        **evidence.model_dump(include=_EVIDENCE_AS_IS),
         timer_note=note,
         shapes=shapes,
         geomean_speedup=g.estimate if g else None,
         geomean_ci_low=g.ci_low if g else None,
         geomean_ci_high=g.ci_high if g else None,
         ci_level=gate.ci_level,
-        l2_flushed=evidence.l2_flushed,
-        graph_replay=evidence.graph_replay,
-        throttled_samples_dropped=evidence.throttled_samples_dropped,
-        proof_of_execution=evidence.proof_of_execution,
-        proof_note=evidence.proof_note,
         findings=[_finding(f) for f in findings],
         device_state=device_state,
-        blocks=evidence.blocks,
-        block_geomeans=evidence.block_geomeans,
         seconds=round(seconds, 3),
         baseline=baseline,
         next_step=next_step,
@@ -517,21 +521,9 @@ def task_baseline(task_path: Path) -> str | None:
 
 
 async def run_benchmark(
-    config: LoomConfig,
-    ledger: Ledger,
-    artifacts: ArtifactStore,
-    *,
-    task: str,
-    candidate: str,
-    baseline: str | None,
-    shapes: list[str] | None,
-    campaign_id: str | None,
-    progress: Progress | None,
-    task_globals: dict[str, Any] | None = None,
+    config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, call: JudgeCall, baseline: str | None = None
 ) -> tuple[BenchmarkResult, BenchmarkEvidence, list[Finding], float]:
-    task_path = check_file(config, task, "task")
-    cand_path = check_file(config, candidate, "candidate")
-    task_globals = checked_task_globals(task_path, task_globals)
+    task_path, cand_path, task_globals = call.checked(config)
     if not baseline:
         baseline = task_baseline(task_path)
     base_path = check_file(config, baseline, "baseline") if baseline else None
@@ -540,14 +532,14 @@ async def run_benchmark(
     run_id = new_run_id("benchmark")
     sampler = _clock_sampler(target)
     started = time.monotonic()
-    async with Leased(config, target, progress) as held:
+    async with Leased(config, target, call.progress) as held:
         before = sampler() if sampler else None
         evidence, findings = await benchmark_candidate(
             task=task_path,
             candidate=cand_path,
             baseline=base_path,
             job_dir=config.jobs_dir / run_id,
-            shapes=shapes,
+            shapes=call.shapes,
             device=target.torch_device,
             gate=gate,
             peak=target.device.peak,
@@ -556,7 +548,7 @@ async def run_benchmark(
             benchmark_id=run_id,
             clock_sampler=sampler,
             keep_warm=config.warm_workers,
-            progress=progress,
+            progress=call.progress,
             task_globals=task_globals,
         )
         after = sampler() if sampler else None
@@ -591,6 +583,6 @@ async def run_benchmark(
             "device": target.device.model_dump(),
         },
         result,
-        campaign_id,
+        call.campaign_id,
     )
     return result, evidence, findings, held.seconds

@@ -12,6 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loom_mcp.fields import empty_list, optional
+from loom_mcp.models import CompileDiagnostic
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -165,11 +168,8 @@ class GateConfig(_Model):
 # ---------------------------------------------------------------- compile
 
 
-class Diagnostic(_Model):
-    severity: Literal["error", "warning", "note"]
-    message: str
-    file: str | None = None
-    line: int | None = None
+class Diagnostic(CompileDiagnostic):
+    # A compiler's diagnostic as the gate's evidence keeps it: compile_kernel's, and the column.
     column: int | None = None
 
 
@@ -190,7 +190,7 @@ class Finding(_Model):
     check: str = Field(description="Stable check name, e.g. 'static.monkeypatch'")
     severity: Literal["error", "warning"]
     message: str
-    where: str | None = Field(default=None, description="'file:line' when the check has a location")
+    where: str | None = optional("'file:line' when the check has a location")
     line: int | None = None
 
 
@@ -203,43 +203,37 @@ class ValidationCase(_Model):
         default="normal",
         description="'normal', 'uniform', 'heavy_tailed', 'scaled_1e-3', 'scaled_64', 'boundary', ...",
     )
-    dtype: str | None = Field(default=None, description="Canonical dtype of the reference output")
-    max_abs_err: float | None = Field(default=None, description="None when outputs could not be compared")
+    dtype: str | None = optional("Canonical dtype of the reference output")
+    max_abs_err: float | None = optional("None when outputs could not be compared")
     max_rel_err: float | None = None
-    mismatched: int | None = Field(default=None, description="Elements outside tolerance")
+    mismatched: int | None = optional("Elements outside tolerance")
     atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
-    atol_effective: float | None = Field(
-        default=None,
-        description="The atol applied: the larger of atol capped at the reference's scale (its "
-        "RMS times the dtype's relative tolerance) and 4x ref_max_abs_err",
+    atol_effective: float | None = optional(
+        "The atol applied: the larger of atol capped at the reference's scale (its "
+        "RMS times the dtype's relative tolerance) and 4x ref_max_abs_err"
     )
-    norm_rel_err: float | None = Field(
-        default=None, description="||out - ref||_2 / ||ref||_2 over finite elements, in float64"
+    norm_rel_err: float | None = optional("||out - ref||_2 / ||ref||_2 over finite elements, in float64")
+    norm_rel_bound: float | None = optional(
+        "Largest norm_rel_err allowed: max(the dtype's relative tolerance, 4x "
+        "ref_norm_rel_err); None when the reference has no nonzero finite value"
     )
-    norm_rel_bound: float | None = Field(
-        default=None,
-        description="Largest norm_rel_err allowed: max(the dtype's relative tolerance, 4x "
-        "ref_norm_rel_err); None when the reference has no nonzero finite value",
+    ref_norm_rel_err: float | None = optional(
+        "The same normwise error for the reference itself run in the task's dtype on "
+        "this device, against its float64 run (None without a float64 run)"
     )
-    ref_norm_rel_err: float | None = Field(
-        default=None,
-        description="The same normwise error for the reference itself run in the task's dtype on "
-        "this device, against its float64 run (None without a float64 run)",
+    ref_max_abs_err: float | None = optional(
+        "Largest elementwise error of the reference itself run in the task's dtype on "
+        "this device, against its float64 run (None without a float64 run)"
     )
-    ref_max_abs_err: float | None = Field(
-        default=None,
-        description="Largest elementwise error of the reference itself run in the task's dtype on "
-        "this device, against its float64 run (None without a float64 run)",
-    )
-    ref_rms: float | None = Field(default=None, description="RMS of the reference's finite values")
+    ref_rms: float | None = optional("RMS of the reference's finite values")
     passed: bool
     shape_match: bool = True
     nan_inf_parity: bool = Field(default=True, description="NaN/Inf positions match the reference")
     output_type_ok: bool = Field(default=True, description="Outputs are plain torch.Tensor, not aliases")
-    inputs_unchanged: bool | None = Field(default=None, description="Input hashes equal after the call")
-    deterministic: bool | None = Field(default=None, description="A rerun was bitwise identical")
-    message: str | None = Field(default=None, description="Why the case failed, in one sentence")
+    inputs_unchanged: bool | None = optional("Input hashes equal after the call")
+    deterministic: bool | None = optional("A rerun was bitwise identical")
+    message: str | None = optional("Why the case failed, in one sentence")
 
 
 class ValidationEvidence(_Model):
@@ -309,10 +303,8 @@ class ShapeSamples(_Model):
     bytes_moved: float | None = Field(default=None, ge=0)
     stop_reason: Literal["precise", "time_cap"] | None = None
     sampling_s: float | None = Field(default=None, ge=0)
-    blocks: list[int] | None = Field(
-        default=None,
-        description="The block (fresh pair of arm processes) each A/B pair was timed in; given, "
-        "the CI is taken across blocks",
+    blocks: list[int] | None = optional(
+        "The block (fresh pair of arm processes) each A/B pair was timed in; given, the CI is taken across blocks"
     )
 
     @model_validator(mode="after")
@@ -329,22 +321,16 @@ class ShapeTiming(_Model):
     baseline: SampleSummary
     candidate: SampleSummary
     ratio: RatioCI
-    floor_s: float | None = Field(
-        default=None, description="Physical floor: max(bytes/peak bandwidth, flops/peak rate)"
-    )
-    roofline_fraction: float | None = Field(
-        default=None, description="floor_s / candidate median; above 1 is impossible"
-    )
+    floor_s: float | None = optional("Physical floor: max(bytes/peak bandwidth, flops/peak rate)")
+    roofline_fraction: float | None = optional("floor_s / candidate median; above 1 is impossible")
     throttled_dropped: int = Field(default=0, ge=0, description="Samples, both arms counted")
     outliers_dropped: int = Field(default=0, ge=0, description="Samples, both arms counted")
-    stop_reason: Literal["precise", "time_cap"] | None = Field(
-        default=None,
-        description="Why sampling stopped: both medians precise (stderr_target), or max_time_s",
+    stop_reason: Literal["precise", "time_cap"] | None = optional(
+        "Why sampling stopped: both medians precise (stderr_target), or max_time_s"
     )
     sampling_s: float | None = Field(default=None, ge=0, description="Seconds spent sampling")
-    block_ratios: list[float] | None = Field(
-        default=None,
-        description="Speedup (ratio of medians) in each block, in block order: their spread is the CI's width",
+    block_ratios: list[float] | None = optional(
+        "Speedup (ratio of medians) in each block, in block order: their spread is the CI's width"
     )
 
 
@@ -353,27 +339,22 @@ class BenchmarkEvidence(_Model):
     device: str
     timer: TimerKind
     shapes: list[ShapeTiming]
-    geomean: RatioCI | None = Field(default=None, description="None when there are no shapes")
+    geomean: RatioCI | None = optional("None when there are no shapes")
     throttled_samples_dropped: int = Field(
         default=0, ge=0, description="Samples (both arms counted) dropped for throttled clocks"
     )
     outliers_dropped: int = Field(default=0, ge=0, description="Samples dropped as outliers")
     l2_flushed: bool | None = None
     graph_replay: bool | None = None
-    bracket_overhead_s: dict[str, float] | None = Field(
-        default=None,
-        description="Per shape: the trusted timer's own cost per call (median of empty calls), "
-        "already subtracted from every sample",
+    bracket_overhead_s: dict[str, float] | None = optional(
+        "Per shape: the trusted timer's own cost per call (median of empty calls), already subtracted from every sample"
     )
-    trusted_geomean: RatioCI | None = Field(
-        default=None,
-        description="GPU: the geomean speedup by the trusted timer's brackets alone, which the "
-        "arms' own event timings (the samples above) must agree with",
+    trusted_geomean: RatioCI | None = optional(
+        "GPU: the geomean speedup by the trusted timer's brackets alone, which the "
+        "arms' own event timings (the samples above) must agree with"
     )
-    proof_of_execution: bool | None = Field(
-        default=None,
-        description="True: the candidate's own kernels appear in a profiler trace; False: they did "
-        "not; None: not established",
+    proof_of_execution: bool | None = optional(
+        "True: the candidate's own kernels appear in a profiler trace; False: they did not; None: not established"
     )
     proof_note: str | None = None
     proof_applicable: bool = Field(
@@ -381,20 +362,17 @@ class BenchmarkEvidence(_Model):
         description="False when the candidate defines no kernels of its own (framework code "
         "only): there is nothing of its own to prove ran, and the same timer measured it",
     )
-    findings: list[Finding] = Field(
-        default_factory=list,
-        description="What the candidate did while timed (stale outputs, replaced timers); an "
-        "error here rejects whatever validation said",
+    findings: list[Finding] = empty_list(
+        "What the candidate did while timed (stale outputs, replaced timers); an "
+        "error here rejects whatever validation said"
     )
     blocks: int | None = Field(
         default=None,
         ge=1,
         description="Wall clock: blocks timed, each a fresh timer and pair of arm processes",
     )
-    block_geomeans: list[float] | None = Field(
-        default=None,
-        description="Wall clock: the geomean speedup within each block, in block order; the "
-        "geomean CI is a t-interval across them",
+    block_geomeans: list[float] | None = optional(
+        "Wall clock: the geomean speedup within each block, in block order; the geomean CI is a t-interval across them"
     )
 
 
@@ -441,10 +419,10 @@ class Verdict(_Model):
     """The gate's decision. Reject reasons come first, then review reasons; each has a code."""
 
     verdict: Literal["accept", "reject", "needs_review"]
-    reasons: list[str] = Field(default_factory=list, description="Plain sentences, one per problem")
-    reason_codes: list[ReasonCode] = Field(default_factory=list, description="Aligned with reasons")
-    warnings: list[str] = Field(default_factory=list, description="Did not affect the verdict")
-    speedup: float | None = Field(default=None, description="Geomean baseline/candidate")
+    reasons: list[str] = empty_list("Plain sentences, one per problem")
+    reason_codes: list[ReasonCode] = empty_list("Aligned with reasons")
+    warnings: list[str] = empty_list("Did not affect the verdict")
+    speedup: float | None = optional("Geomean baseline/candidate")
     speedup_ci_low: float | None = None
     speedup_ci_high: float | None = None
     ci_level: float | None = None

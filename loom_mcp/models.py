@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loom_mcp.fields import optional
+
 Vendor = Literal["nvidia", "amd", "cpu"]
 
 
@@ -58,15 +60,11 @@ class DeviceInfo(_Model):
     utilization_pct: float | None = None
     throttle: ThrottleState | None = None
     driver_version: str | None = None
-    runtime_version: str | None = Field(
-        default=None, description="CUDA driver API version (NVIDIA) or ROCm version (AMD)"
-    )
-    compute_units: int | None = Field(default=None, description="SMs (NVIDIA), CUs (AMD), cores (CPU)")
-    busy: bool | None = Field(default=None, description="A loom job holds this device's lease now")
+    runtime_version: str | None = optional("CUDA driver API version (NVIDIA) or ROCm version (AMD)")
+    compute_units: int | None = optional("SMs (NVIDIA), CUs (AMD), cores (CPU)")
+    busy: bool | None = optional("A loom job holds this device's lease now")
     peak: DevicePeak | None = None
-    measured: dict[str, float] | None = Field(
-        default=None, description="Measured ceilings when a calibration ran (bytes/s, FLOP/s)"
-    )
+    measured: dict[str, float] | None = optional("Measured ceilings when a calibration ran (bytes/s, FLOP/s)")
 
 
 class ToolStatus(_Model):
@@ -128,16 +126,16 @@ class StartCampaignResult(_Model):
 
 class KernelResources(_Model):
     name: str = Field(description="Kernel (entry function) name, demangled where possible")
-    registers: int | None = Field(default=None, description="Per thread (NVIDIA) / VGPRs (AMD)")
+    registers: int | None = optional("Per thread (NVIDIA) / VGPRs (AMD)")
     sgprs: int | None = None
     spill_stores_bytes: int | None = None
     spill_loads_bytes: int | None = None
     stack_bytes: int | None = None
-    shared_memory_bytes: int | None = Field(default=None, description="Static shared memory / LDS per block")
+    shared_memory_bytes: int | None = optional("Static shared memory / LDS per block")
     num_warps: int | None = None
     num_stages: int | None = None
-    occupancy: float | None = Field(default=None, description="Estimated resident warps / max warps per SM (CU), 0..1")
-    occupancy_limiter: str | None = Field(default=None, description="registers | shared_memory | warps")
+    occupancy: float | None = optional("Estimated resident warps / max warps per SM (CU), 0..1")
+    occupancy_limiter: str | None = optional("registers | shared_memory | warps")
 
 
 class CompileDiagnostic(_Model):
@@ -151,9 +149,9 @@ class CompileResult(_Model):
     ok: bool
     language: Literal["triton", "cuda", "hip"]
     target: str | None = Field(description="sm_90, gfx942, or 'interpreter' (CPU)")
-    artifact_id: str | None = Field(default=None, description="Content hash of the compiled object")
+    artifact_id: str | None = optional("Content hash of the compiled object")
     cached: bool = Field(description="True when this exact source/compiler/target/flags was compiled before")
-    compiler: str | None = Field(default=None, description="Compiler and version used")
+    compiler: str | None = optional("Compiler and version used")
     kernels: list[KernelResources] = Field(default_factory=list)
     diagnostics: list[CompileDiagnostic] = Field(default_factory=list)
     seconds: float
@@ -178,13 +176,9 @@ class CaseSummary(_Model):
     passed: bool
     max_abs_err: float | None = None
     max_rel_err: float | None = None
-    ref_max_abs_err: float | None = Field(
-        default=None, description="The same error of the task's Model itself in its dtype here"
-    )
+    ref_max_abs_err: float | None = optional("The same error of the task's Model itself in its dtype here")
     norm_rel_err: float | None = None
-    ref_norm_rel_err: float | None = Field(
-        default=None, description="The reference's own normwise error in its dtype here"
-    )
+    ref_norm_rel_err: float | None = optional("The reference's own normwise error in its dtype here")
     message: str | None = None
 
 
@@ -197,9 +191,8 @@ class RunValidationResult(_Model):
     cases_total: int
     cases_failed: int
     failing_cases: list[CaseSummary] = Field(description="At most 8; the full table is at loom://runs/{id}")
-    worst_case: CaseSummary | None = Field(
-        default=None,
-        description="The worst failing case (largest relative error) when any fails; else the passing case with the largest relative error",
+    worst_case: CaseSummary | None = optional(
+        "The worst failing case (largest relative error) when any fails; else the passing case with the largest relative error"
     )
     findings: list[CheckFinding]
     seconds: float
@@ -216,16 +209,14 @@ class ShapeSpeed(_Model):
     pairs: int = Field(description="Interleaved A/B sample pairs kept")
     candidate_cv: float = Field(description="Coefficient of variation of the candidate's samples")
     floor_s: float | None = None
-    roofline_fraction: float | None = Field(default=None, description="floor / candidate median")
-    stop_reason: Literal["precise", "time_cap"] | None = Field(
-        default=None,
-        description="precise: both medians reached the gate's precision; time_cap: "
-        "the gate's max_time_s ran out first and the CI is as wide as it came out",
+    roofline_fraction: float | None = optional("floor / candidate median")
+    stop_reason: Literal["precise", "time_cap"] | None = optional(
+        "precise: both medians reached the gate's precision; time_cap: "
+        "the gate's max_time_s ran out first and the CI is as wide as it came out"
     )
-    block_speedups: list[float] | None = Field(
-        default=None,
-        description="CPU wall clock: the speedup in each block (a fresh pair of arm "
-        "processes); the CI is a t-interval across them, so their spread is its width",
+    block_speedups: list[float] | None = optional(
+        "CPU wall clock: the speedup in each block (a fresh pair of arm "
+        "processes); the CI is a t-interval across them, so their spread is its width"
     )
 
 
@@ -246,14 +237,11 @@ class BenchmarkResult(_Model):
     proof_note: str | None
     findings: list[CheckFinding]
     device_state: dict[str, float | str | None] | None = None
-    blocks: int | None = Field(
-        default=None,
-        description="CPU wall clock: blocks timed, each a fresh timer and pair of "
-        "arm processes (a process keeps a few-percent bias for life)",
+    blocks: int | None = optional(
+        "CPU wall clock: blocks timed, each a fresh timer and pair of "
+        "arm processes (a process keeps a few-percent bias for life)"
     )
-    block_geomeans: list[float] | None = Field(
-        default=None, description="CPU wall clock: the geomean speedup within each block"
-    )
+    block_geomeans: list[float] | None = optional("CPU wall clock: the geomean speedup within each block")
     seconds: float
     baseline: str = Field(
         default="the task's Model",

@@ -31,6 +31,7 @@ from loom_mcp.store import ArtifactStore, Ledger
 log = logging.getLogger("loom_mcp")
 
 T = TypeVar("T")
+ToolArguments = dict[str, Any]  # a call's arguments by parameter name, as the ledger records them
 
 
 @dataclass
@@ -260,16 +261,24 @@ async def run_recorded(
     return _with_notes(result, notes)
 
 
+# Parameters a tool may take that the server hands it, not the client (none is in its schema):
+# `scope`, the call's accounting (start_campaign names the campaign it made there), and
+# `arguments`, the call's own arguments as the ledger records them (every parameter but ctx),
+# for a tool that passes each of them on unchanged.
+HANDED = ("scope", "arguments")
+
+
 def recorded(services: Services, tool: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    """A tool written as `async def name(scope, ctx?, **parameters)` becomes the function an MCP
-    server registers: the same parameters less `scope` (the tool's schema is built from them),
-    each call recorded in the ledger under `tool` with every parameter but ctx (run_recorded),
-    under its campaign_id when it takes one."""
+    """A tool written as `async def name(scope?, arguments?, ctx?, **parameters)` becomes the
+    function an MCP server registers: the same parameters less the HANDED ones (the tool's schema
+    is built from them), each call recorded in the ledger under `tool` with every parameter but
+    ctx (run_recorded), under its campaign_id when it takes one."""
 
     def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         # eval_str: the server module's annotations are strings; the SDK reads this signature.
         signature = inspect.signature(fn, eval_str=True)
-        public = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "scope"])
+        handed = [name for name in HANDED if name in signature.parameters]
+        public = signature.replace(parameters=[p for p in signature.parameters.values() if p.name not in HANDED])
 
         @functools.wraps(fn)
         async def call(*args: Any, **kwargs: Any) -> T:
@@ -277,9 +286,12 @@ def recorded(services: Services, tool: str) -> Callable[[Callable[..., Awaitable
             bound.apply_defaults()
             given = dict(bound.arguments)
             arguments = {name: value for name, value in given.items() if name != "ctx"}
-            return await run_recorded(
-                services, tool, arguments, lambda scope: fn(scope, **given), given.get("campaign_id")
-            )
+
+            def body(scope: CallScope) -> Awaitable[T]:
+                server_side = {"scope": scope, "arguments": dict(arguments)}
+                return fn(**{name: server_side[name] for name in handed}, **given)
+
+            return await run_recorded(services, tool, arguments, body, given.get("campaign_id"))
 
         call.__signature__ = public  # type: ignore[attr-defined]
         return call

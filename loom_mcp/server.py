@@ -39,7 +39,7 @@ from loom_mcp.models import (
     SubmitResult,
 )
 from loom_mcp.profiling.analysis import AnalyzeTraceResult
-from loom_mcp.runtime import CallScope, Services, open_services, recorded
+from loom_mcp.runtime import CallScope, Services, ToolArguments, open_services, recorded
 from loom_mcp.server_base import LoomServer
 
 log = logging.getLogger("loom_mcp")
@@ -73,6 +73,8 @@ CampaignRef = Annotated[str, Field(description="From start_campaign")]
 READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 RECORDS = ToolAnnotations(destructive_hint=False, open_world_hint=False)
 
+ToolFunction = Callable[..., Awaitable[Any]]
+
 
 def build_server(config: LoomConfig | None = None) -> MCPServer:
     config = config or load_config()
@@ -92,10 +94,16 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     )
     server.services = services
 
-    @server.tool(title="Device info", annotations=READ_ONLY)
-    @recorded(services, "device_info")
+    def tool(title: str, annotations: ToolAnnotations) -> Callable[[ToolFunction], ToolFunction]:
+        """Registers a tool whose every call is recorded in the ledger under the tool's name."""
+
+        def register(fn: ToolFunction) -> ToolFunction:
+            return server.tool(title=title, annotations=annotations)(recorded(services, fn.__name__)(fn))
+
+        return register
+
+    @tool("Device info", READ_ONLY)
     async def device_info(
-        scope: CallScope,
         ctx: Context,
         refresh: Annotated[bool, Field(description="Re-probe torch/triton instead of the cached facts")] = False,
     ) -> DeviceInfoResult:
@@ -108,10 +116,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         await ctx.report_progress(1, total=1, message="done")
         return result
 
-    @server.tool(title="Start campaign", annotations=RECORDS)
-    @recorded(services, "start_campaign")
+    @tool("Start campaign", RECORDS)
     async def start_campaign(
-        scope: CallScope,
+        scope: CallScope,  # names the campaign this call made
         repo: Annotated[str, Field(description="Absolute path of the git repository to optimize (its root)")],
         goal: Annotated[
             str,
@@ -153,6 +160,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         ctx: Context,
         task: str,
         candidate: str,
+        shapes: list[str] | None,
         campaign_id: str | None,
         task_globals: dict[str, Any] | None,
         **kwargs: Any,
@@ -160,17 +168,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         """The result `run` (judge.run_validation, judge.run_benchmark) reports for `candidate`,
         with the call's task_globals, or the campaign's when the call names none."""
         from loom_mcp.campaigns import resolve_task_globals
+        from loom_mcp.judge import JudgeCall
 
         campaign = services.ledger.campaign(campaign_id) if campaign_id else None
         task_globals = resolve_task_globals(campaign, task_globals)
-        kwargs.update(
-            task=task,
-            candidate=candidate,
-            campaign_id=campaign_id,
-            progress=progress_of(ctx),
-            task_globals=task_globals,
-        )
-        return (await run(config, services.ledger, services.artifacts, **kwargs))[0]
+        call = JudgeCall(task, candidate, shapes, campaign_id, progress=progress_of(ctx), task_globals=task_globals)
+        return (await run(config, services.ledger, services.artifacts, call, **kwargs))[0]
 
     def progress_of(ctx: Context) -> Callable[[str], Awaitable[None]]:
         """Progress messages for long jobs (clients that did not ask for progress ignore them)."""
@@ -183,10 +186,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
 
         return report
 
-    @server.tool(title="Compile kernel", annotations=READ_ONLY)
-    @recorded(services, "compile_kernel")
+    @tool("Compile kernel", READ_ONLY)
     async def compile_kernel(
-        scope: CallScope,
         ctx: Context,
         source: Annotated[
             str, Field(description="Path of the kernel source: .py with @triton.jit kernels, .cu, or .hip")
@@ -232,10 +233,8 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             raise LoomError(ErrorCode.COMPILE_ERROR, where or "compilation failed")
         return result
 
-    @server.tool(title="Run validation", annotations=RECORDS)
-    @recorded(services, "run_validation")
+    @tool("Run validation", RECORDS)
     async def run_validation(
-        scope: CallScope,
         ctx: Context,
         task: Annotated[
             str,
@@ -259,14 +258,10 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         Returns passed, failing cases and findings; full table at loom://runs/{validation_id}."""
         from loom_mcp import judge
 
-        return await judged(
-            judge.run_validation, ctx, task, candidate, campaign_id, task_globals, seeds=seeds, shapes=shapes
-        )
+        return await judged(judge.run_validation, ctx, task, candidate, shapes, campaign_id, task_globals, seeds=seeds)
 
-    @server.tool(title="Benchmark", annotations=RECORDS)
-    @recorded(services, "benchmark")
+    @tool("Benchmark", RECORDS)
     async def benchmark(
-        scope: CallScope,
         ctx: Context,
         task: Annotated[str, Field(description="Task file; its Model is the default baseline")],
         candidate: Annotated[str, Field(description="Candidate file defining ModelNew")],
@@ -285,13 +280,11 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp import judge
 
         return await judged(
-            judge.run_benchmark, ctx, task, candidate, campaign_id, task_globals, baseline=baseline, shapes=shapes
+            judge.run_benchmark, ctx, task, candidate, shapes, campaign_id, task_globals, baseline=baseline
         )
 
-    @server.tool(title="Profile", annotations=RECORDS)
-    @recorded(services, "profile")
+    @tool("Profile", RECORDS)
     async def profile(
-        scope: CallScope,
         ctx: Context,
         profiler: Annotated[
             Literal["torch", "rocprofv3", "nsys"],
@@ -325,12 +318,12 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         target = await judge.pick_target(config) if profiler == "torch" else None
         device = target.torch_device if target else "auto"
         lease_target = target or await judge.pick_target(config)
-        async with judge.Leased(config, lease_target, progress_of(ctx)):
+        progress = progress_of(ctx)  # one reporter for the whole call: its steps only increase
+        async with judge.Leased(config, lease_target, progress):
             result = await profile_workload(
-                ledger=services.ledger,
-                artifacts=services.artifacts,
-                jobs_dir=config.jobs_dir,
-                cache_dir=config.cache_dir,
+                config,
+                services.ledger,
+                services.artifacts,
                 profiler=profiler,
                 task=task_path,
                 candidate=cand_path,
@@ -341,16 +334,13 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
                 warmup=warmup,
                 active=active,
                 device=device,
-                timeout_s=config.job_timeout_s,
                 campaign_id=campaign_id,
-                progress=progress_of(ctx),
+                progress=progress,
             )
         return result
 
-    @server.tool(title="Analyze trace", annotations=READ_ONLY)
-    @recorded(services, "analyze_trace")
+    @tool("Analyze trace", READ_ONLY)
     async def analyze_trace(
-        scope: CallScope,
         ctx: Context,
         trace: Annotated[
             str,
@@ -376,10 +366,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         await ctx.report_progress(1, total=1, message="done")
         return result
 
-    @server.tool(title="Submit candidate", annotations=RECORDS)
-    @recorded(services, "submit_candidate")
+    @tool("Submit candidate", RECORDS)
     async def submit_candidate(
-        scope: CallScope,
+        arguments: ToolArguments,
         ctx: Context,
         campaign_id: CampaignRef,
         task: Annotated[str, Field(description="Task file (KernelBench format) the candidate is judged against")],
@@ -400,23 +389,11 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         candidate's spend no candidate (device time held still counts)."""
         from loom_mcp.submissions import submit_candidate as submit
 
-        result, _ = await submit(
-            config,
-            services.ledger,
-            services.artifacts,
-            campaign_id=campaign_id,
-            task=task,
-            candidate=candidate,
-            paths=paths,
-            progress=progress_of(ctx),
-            task_globals=task_globals,
-        )
+        result, _ = await submit(config, services.ledger, services.artifacts, **arguments, progress=progress_of(ctx))
         return result
 
-    @server.tool(title="Campaign report", annotations=READ_ONLY)
-    @recorded(services, "campaign_report")
+    @tool("Campaign report", READ_ONLY)
     async def campaign_report(
-        scope: CallScope,
         campaign_id: CampaignRef,
     ) -> CampaignReportResult:
         """The campaign from the ledger: accepted chain and cumulative speedup, every attempt
@@ -439,10 +416,9 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
             next_step=f"read loom://campaigns/{campaign_id}/report or {report.files.get('markdown')}",
         )
 
-    @server.tool(title="Benchmark commands", annotations=RECORDS)
-    @recorded(services, "benchmark_command")
+    @tool("Benchmark commands", RECORDS)
     async def benchmark_command(
-        scope: CallScope,
+        arguments: ToolArguments,
         ctx: Context,
         command: Annotated[
             list[str],
@@ -504,22 +480,7 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         from loom_mcp.command_benchmark import run_command_benchmark
 
         return await run_command_benchmark(
-            config,
-            services.ledger,
-            services.artifacts,
-            command=command,
-            baseline_command=baseline_command,
-            metrics=metrics,
-            runs=runs,
-            parser=parser,
-            metrics_file=metrics_file,
-            cwd=cwd,
-            warmup=warmup,
-            baseline_revision=baseline_revision,
-            revision=revision,
-            repo=repo,
-            campaign_id=campaign_id,
-            progress=progress_of(ctx),
+            config, services.ledger, services.artifacts, **arguments, progress=progress_of(ctx)
         )
 
     from loom_mcp.server_resources import add_resources

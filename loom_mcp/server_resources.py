@@ -4,6 +4,7 @@ prompt. `add_resources` registers them on the server `build_server` made, after 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -14,8 +15,14 @@ from loom_mcp.config import LoomConfig
 from loom_mcp.errors import LoomError
 from loom_mcp.runtime import Services, config_notes
 
+JSON = "application/json"  # most resources are JSON records
+Reader = Callable[..., str | bytes]  # a resource's reader: its URI's parameters in, the content out
+
 
 def add_resources(server: MCPServer, config: LoomConfig, services: Services) -> None:
+    def resource(uri: str, name: str, title: str, mime_type: str = JSON) -> Callable[[Reader], Reader]:
+        return server.resource(uri, name=name, title=title, mime_type=mime_type)
+
     def analysis_path(analysis_id: str, name: str) -> Path:
         from loom_mcp.profiling.analysis import analysis_file
 
@@ -24,48 +31,29 @@ def add_resources(server: MCPServer, config: LoomConfig, services: Services) -> 
         except LoomError as exc:
             raise ResourceNotFoundError(str(exc)) from exc
 
-    @server.resource(
-        "loom://traces/{analysis_id}/analysis",
-        name="trace_analysis",
-        title="Full trace analysis (JSON tables)",
-        mime_type="application/json",
-    )
+    @resource("loom://traces/{analysis_id}/analysis", "trace_analysis", "Full trace analysis (JSON tables)")
     def trace_analysis_resource(analysis_id: str) -> str:
         return analysis_path(analysis_id, "analysis.json").read_text()
 
-    @server.resource(
-        "loom://traces/{analysis_id}/breakdown.png",
-        name="trace_breakdown",
-        title="Time breakdown plot",
-        mime_type="image/png",
-    )
+    @resource("loom://traces/{analysis_id}/breakdown.png", "trace_breakdown", "Time breakdown plot", "image/png")
     def trace_breakdown_resource(analysis_id: str) -> bytes:
         return analysis_path(analysis_id, "breakdown.png").read_bytes()
 
-    @server.resource(
-        "loom://campaigns/{campaign_id}/report",
-        name="campaign_report",
-        title="Campaign report (Markdown)",
-        mime_type="text/markdown",
-    )
+    @resource("loom://campaigns/{campaign_id}/report", "campaign_report", "Campaign report (Markdown)", "text/markdown")
     def campaign_report_resource(campaign_id: str) -> str:
         path = config.home / "reports" / campaign_id / "report.md"
         if not path.is_file():
             raise ResourceNotFoundError(f"no report for {campaign_id!r} yet; call campaign_report")
         return path.read_text()
 
-    @server.resource(
-        "loom://runs/{run_id}", name="run", title="Full validation/benchmark record", mime_type="application/json"
-    )
+    @resource("loom://runs/{run_id}", "run", "Full validation/benchmark record")
     def run_resource(run_id: str) -> str:
         row = services.ledger.run(run_id)
         if row is None:
             raise ResourceNotFoundError(f"no run {run_id!r}")
         return services.artifacts.get_bytes(row["record_sha"]).decode()
 
-    @server.resource(
-        "loom://campaigns/{campaign_id}", name="campaign", title="Campaign record", mime_type="application/json"
-    )
+    @resource("loom://campaigns/{campaign_id}", "campaign", "Campaign record")
     def campaign_resource(campaign_id: str) -> str:
         row = services.ledger.campaign(campaign_id)
         if row is None:
@@ -105,11 +93,10 @@ def add_resources(server: MCPServer, config: LoomConfig, services: Services) -> 
 
     full_output_schemas = tighten_tools(server._tool_manager.list_tools())
 
-    @server.resource(
+    @resource(
         "loom://schemas/{tool}",
-        name="output_schema",
-        mime_type="application/json",
-        title="A tool's full output schema (tools/list publishes nested objects untyped)",
+        "output_schema",
+        "A tool's full output schema (tools/list publishes nested objects untyped)",
     )
     def output_schema_resource(tool: str) -> str:
         if tool not in full_output_schemas:

@@ -279,10 +279,7 @@ async def submit_candidate(
                     ok=compiled.ok,
                     language="triton",
                     artifact_id=compiled.artifact_id,
-                    diagnostics=[
-                        Diagnostic(severity=d.severity, message=d.message, file=d.file, line=d.line)
-                        for d in compiled.diagnostics
-                    ],
+                    diagnostics=[Diagnostic(**d.model_dump()) for d in compiled.diagnostics],
                 )
             # Each accepted step must beat the previous one, not just the reference: the chain's
             # speedups then multiply into a true cumulative figure.
@@ -293,6 +290,14 @@ async def submit_candidate(
                 safefs.write_bytes(worktree.parent, baseline_file.name, artifacts.get_bytes(previous["candidate_sha"]))
             validation = benchmark = None
             validation_id = benchmark_id = None
+            # The frozen files, judged on every shape (and, validated, at the policy's seeds).
+            judged = judge.JudgeCall(
+                str(frozen_task),
+                str(frozen_cand),
+                campaign_id=campaign_id,
+                progress=progress,
+                task_globals=task_globals,
+            )
             if compile_evidence.ok:
                 # A full validation of these exact bytes on this device and software (the agent's
                 # own run_validation before submitting, say) is evidence already: reuse it.
@@ -307,32 +312,12 @@ async def submit_candidate(
                             "bytes, device, software and policy"
                         )
                 else:
-                    v_result, validation, secs = await judge.run_validation(
-                        config,
-                        ledger,
-                        artifacts,
-                        task=str(frozen_task),
-                        candidate=str(frozen_cand),
-                        seeds=None,
-                        shapes=None,
-                        campaign_id=campaign_id,
-                        progress=progress,
-                        task_globals=task_globals,
-                    )
+                    v_result, validation, secs = await judge.run_validation(config, ledger, artifacts, judged)
                     device_seconds += secs
                     validation_id = v_result.validation_id
                 if validation.passed:
                     b_result, benchmark, _, secs = await judge.run_benchmark(
-                        config,
-                        ledger,
-                        artifacts,
-                        task=str(frozen_task),
-                        candidate=str(frozen_cand),
-                        baseline=str(baseline_file) if baseline_file else None,
-                        shapes=None,
-                        campaign_id=campaign_id,
-                        progress=progress,
-                        task_globals=task_globals,
+                        config, ledger, artifacts, judged, baseline=str(baseline_file) if baseline_file else None
                     )
                     device_seconds += secs
                     benchmark_id = b_result.benchmark_id

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loom_mcp.fields import optional
 from loom_mcp.judge_models import Finding, RatioCI, SampleSummary
 
 Arm = Literal["baseline", "candidate"]
@@ -38,7 +39,7 @@ class RunFailure(_Model):
 
 
 class CommandBenchmarkResult(_Model):
-    benchmark_id: str | None = Field(default=None, description="The full record: loom://runs/{benchmark_id}")
+    benchmark_id: str | None = optional("The full record: loom://runs/{benchmark_id}")
     metrics: list[MetricComparison]
     runs_per_arm: int = Field(description="Complete A/B pairs the statistics use")
     runs_requested: int
@@ -46,8 +47,6 @@ class CommandBenchmarkResult(_Model):
     parser_used: str = Field(description="'json', 'vllm' or 'sglang'; 'baseline=vllm candidate=sglang' if they differ")
     findings: list[Finding] = Field(default_factory=list)
     samples_file: str = Field(description="Every run's parsed values, exit status and wall time")
-    revisions: dict[Arm, str] | None = Field(
-        default=None, description="The commit each arm ran, when the arms were git revisions"
-    )
+    revisions: dict[Arm, str] | None = optional("The commit each arm ran, when the arms were git revisions")
     seconds: float
     next_step: str

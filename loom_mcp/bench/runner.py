@@ -430,22 +430,18 @@ async def benchmark_candidate(
     if trusted_geomean is not None and stats.geomean is not None:
         flag_disagreement(trusted_geomean, stats.geomean, findings)
     evidence = BenchmarkEvidence(
+        **dict(stats),  # the statistics of the samples as they are; the rest is what this run knew
         benchmark_id=benchmark_id,
         device=timer_device,
         timer=timer,
-        shapes=stats.shapes,
-        geomean=stats.geomean,
-        throttled_samples_dropped=stats.throttled_samples_dropped,
-        outliers_dropped=stats.outliers_dropped,
         l2_flushed=flush_bytes > 0,
+        graph_replay=graph_used,
         bracket_overhead_s={m["name"]: samples[m["name"]].get("overhead", 0.0) for m in shape_meta},
         trusted_geomean=trusted_geomean,
-        graph_replay=graph_used,
         proof_of_execution=proof,
         proof_note=proof_note,
         proof_applicable=proof_applicable,
         findings=unique_findings(findings),
         blocks=block_count if wall_clock else None,
-        block_geomeans=stats.block_geomeans,
     )
     return evidence, evidence.findings

@@ -16,17 +16,28 @@ from loom_mcp.compile.reports import (
     parse_diagnostics,
     parse_ptxas,
 )
+from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import CompileDiagnostic, CompileResult, KernelResources, Toolchain
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, policy, run_job, safefs
 from loom_mcp.sandbox.runner import Progress, limit_error
 from loom_mcp.sandbox.sources import code_files
-from loom_mcp.store import ArtifactStore
+from loom_mcp.store import ArtifactStore, new_run_id
 
 Language = Literal["triton", "cuda", "hip"]
 CACHE_VERSION = "1"
 MAX_OBJECT_BYTES = 512 << 20  # a compiled object read back from the job directory
+
+
+# KernelResources field -> the triton compile worker's key for it, per compiled specialization.
+_WORKER_KEYS = {
+    "registers": "registers",
+    "spill_stores_bytes": "spills",
+    "shared_memory_bytes": "shared",
+    "num_warps": "num_warps",
+    "num_stages": "num_stages",
+}
 
 
 def cache_key(*parts: str | bytes) -> str:
@@ -37,13 +48,38 @@ def cache_key(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def _next_step(ok: bool, language: str) -> str:
-    if not ok:
-        return "fix the errors at the file:line given, then compile_kernel again"
-    return "run_validation(task, candidate) to check correctness"
+def _compiled(
+    ok: bool,
+    language: Language,
+    target: str,
+    compiler: str,
+    kernels: list[KernelResources],
+    diagnostics: list[CompileDiagnostic],
+    **details: str | None,
+) -> CompileResult:
+    """A result compiled just now (not from the cache); compile_source fills in its seconds."""
+    if ok:
+        next_step = "run_validation(task, candidate) to check correctness"
+    else:
+        next_step = "fix the errors at the file:line given, then compile_kernel again"
+    return CompileResult(
+        ok=ok,
+        language=language,
+        target=target,
+        cached=False,
+        compiler=compiler,
+        kernels=kernels,
+        diagnostics=diagnostics,
+        seconds=0.0,
+        next_step=next_step,
+        **details,
+    )
 
 
 async def compile_source(
+    config: LoomConfig,
+    artifacts: ArtifactStore,
+    toolchain: Toolchain,
     *,
     source: Path,
     language: Language,
@@ -51,14 +87,12 @@ async def compile_source(
     flags: list[str],
     task: Path | None,
     device: str,
-    cache_dir: Path,
-    artifacts: ArtifactStore,
-    job_dir: Path,
-    timeout_s: float,
-    toolchain: Toolchain,
     progress: Progress | None = None,
     task_globals: dict | None = None,
 ) -> CompileResult:
+    """Compiles in a job of its own under config.jobs_dir; the result is cached in config.cache_dir."""
+    job_dir = config.jobs_dir / new_run_id("compile")
+    timeout_s = config.job_timeout_s
     started = time.perf_counter()
     data = safefs.read_resolved_bytes(source)  # resolved and checked by the caller
     if language == "triton":
@@ -81,7 +115,7 @@ async def compile_source(
         effective_target = target or ("sm_90" if language == "cuda" else "gfx942")
         extra = b""
     key = cache_key(language, compiler, effective_target, " ".join(flags), data, extra)
-    cached_file = cache_dir / "compile" / f"{key}.json"
+    cached_file = config.cache_dir / "compile" / f"{key}.json"
     if cached_file.is_file():
         result = CompileResult.model_validate_json(cached_file.read_bytes())
         result.cached = True
@@ -153,18 +187,7 @@ async def _compile_native(
     if ok:
         data = safefs.read_bytes(job_dir, obj.name, MAX_OBJECT_BYTES)
         artifact_id = artifacts.put_bytes(data, kind=f"{language}-object", name=obj.name)
-    return CompileResult(
-        ok=ok,
-        language=language,
-        target=target,
-        artifact_id=artifact_id,
-        cached=False,
-        compiler=compiler,
-        kernels=kernels,
-        diagnostics=diagnostics,
-        seconds=0.0,
-        next_step=_next_step(ok, language),
-    )
+    return _compiled(ok, language, target, compiler, kernels, diagnostics, artifact_id=artifact_id)
 
 
 async def _compile_triton(
@@ -220,14 +243,7 @@ async def _compile_triton(
         if not k["compiled"]:
             kernels.append(KernelResources(name=k["name"]))
         for c in k["compiled"]:
-            item = KernelResources(
-                name=k["name"],
-                registers=c["registers"],
-                spill_stores_bytes=c["spills"],
-                shared_memory_bytes=c["shared"],
-                num_warps=c["num_warps"],
-                num_stages=c["num_stages"],
-            )
+            item = KernelResources(name=k["name"], **{field: c[key] for field, key in _WORKER_KEYS.items()})
             estimate_occupancy(item, target if str(target).startswith("sm_") else "sm_90", c["num_warps"])
             kernels.append(item)
     note = None
@@ -240,16 +256,4 @@ async def _compile_triton(
         note = "pass task= so the kernels are specialized on real arguments and compiled"
     if not kernels and not report["error"]:
         note = (note + "; " if note else "") + "no @triton.jit kernels found in the file"
-    ok = report["error"] is None
-    return CompileResult(
-        ok=ok,
-        language="triton",
-        target=target,
-        cached=False,
-        compiler=compiler,
-        kernels=kernels,
-        diagnostics=diagnostics,
-        seconds=0.0,
-        note=note,
-        next_step=_next_step(ok, "triton"),
-    )
+    return _compiled(report["error"] is None, "triton", target, compiler, kernels, diagnostics, note=note)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from loom_mcp.devices.peaks import lookup_peak
+from loom_mcp.devices.session import LibrarySession
 from loom_mcp.models import DeviceInfo, ThrottleState
 
 # PCI device ids for names amdsmi may report as a codename ("Aqua Vanjaram") on older stacks.
@@ -255,35 +255,22 @@ def sample_from_records(records: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- library calls
 
-_lock = threading.Lock()
-_amdsmi: ModuleType | None = None
-_status: str | None = None
-_failed_at = 0.0
-RETRY_AFTER_S = 30.0
+
+def _open_amdsmi() -> tuple[ModuleType | None, str]:
+    try:
+        import amdsmi
+    except ImportError:
+        return None, "amdsmi not installed"
+    except Exception as err:  # the package loads libamd_smi.so at import time
+        return None, f"amdsmi: library not loadable ({err})"
+    try:
+        amdsmi.amdsmi_init()
+    except Exception as err:
+        return None, f"amdsmi: {err}".strip()
+    return amdsmi, "ok"
 
 
-def _session() -> tuple[ModuleType | None, str]:
-    """amdsmi initialised once per process; a failure is retried after RETRY_AFTER_S."""
-    global _amdsmi, _status, _failed_at
-    with _lock:
-        if _status == "ok" or (_status is not None and time.monotonic() - _failed_at < RETRY_AFTER_S):
-            return _amdsmi, _status
-        _failed_at = time.monotonic()
-        try:
-            import amdsmi
-        except ImportError:
-            _status = "amdsmi not installed"
-            return None, _status
-        except Exception as err:  # the package loads libamd_smi.so at import time
-            _status = f"amdsmi: library not loadable ({err})"
-            return None, _status
-        try:
-            amdsmi.amdsmi_init()
-        except Exception as err:
-            _status = f"amdsmi: {err}".strip()
-            return None, _status
-        _amdsmi, _status = amdsmi, "ok"
-        return _amdsmi, _status
+_session = LibrarySession(_open_amdsmi)  # amdsmi initialised once per process (devices/session.py)
 
 
 def _call(fn: Callable[..., Any] | None, *args: Any) -> Any:

@@ -1,18 +1,17 @@
 """NVIDIA GPUs through NVML (package nvidia-ml-py, module pynvml), imported lazily.
 
-NVML is initialised once and kept for the life of the process: nvmlInit costs tens of
-milliseconds, every query after it microseconds, and device_info must stay fast when warm.
+NVML is initialised once and kept for the life of the process (devices/session.py).
 Indices are NVML's, which ignore CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
+from loom_mcp.devices.session import LibrarySession
 from loom_mcp.models import DeviceInfo, ThrottleState
 
 _T = TypeVar("_T")
@@ -45,12 +44,6 @@ _CORES_PER_SM: dict[tuple[int, int], int] = {
     (9, 0): 128, (10, 0): 128, (10, 3): 128, (11, 0): 128, (12, 0): 128, (12, 1): 128,
 }  # fmt: skip
 
-_lock = threading.Lock()
-_nvml: ModuleType | None = None
-_status: str | None = None  # None until the first attempt; then "ok" or the reason
-_failed_at = 0.0
-RETRY_AFTER_S = 30.0  # a failure is remembered this long, so a warm call never re-probes a dead stack
-
 
 def _reason(pynvml: ModuleType, err: Exception) -> str:
     value = getattr(err, "value", None)
@@ -67,25 +60,19 @@ def _reason(pynvml: ModuleType, err: Exception) -> str:
     return known.get(value, f"NVML: {err}")
 
 
-def _session() -> tuple[ModuleType | None, str]:
-    """The initialised pynvml module, or None and why not; a failure is retried after RETRY_AFTER_S."""
-    global _nvml, _status, _failed_at
-    with _lock:
-        if _status == "ok" or (_status is not None and time.monotonic() - _failed_at < RETRY_AFTER_S):
-            return _nvml, _status
-        _failed_at = time.monotonic()
-        try:
-            import pynvml
-        except ImportError:
-            _status = "nvidia-ml-py not installed"
-            return None, _status
-        try:
-            pynvml.nvmlInit()
-        except Exception as err:  # NVMLError subclasses, or OSError from a broken library
-            _status = _reason(pynvml, err)
-            return None, _status
-        _nvml, _status = pynvml, "ok"
-        return _nvml, _status
+def _open_nvml() -> tuple[ModuleType | None, str]:
+    try:
+        import pynvml
+    except ImportError:
+        return None, "nvidia-ml-py not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as err:  # NVMLError subclasses, or OSError from a broken library
+        return None, _reason(pynvml, err)
+    return pynvml, "ok"
+
+
+_session = LibrarySession(_open_nvml)  # the initialised pynvml module, or None and why not
 
 
 def _opt(fn: Callable[..., _T], *args: Any) -> _T | None:

@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.models import HeadlineOp, ProfileResult
 from loom_mcp.placement import job_placement
@@ -31,30 +32,22 @@ MAX_TRACE_FILE_BYTES = 4 << 30
 
 
 async def _torch_trace(
-    job_dir: Path, *, task, candidate, shape, script, args, warmup, active, device, timeout_s, progress
+    job_dir: Path, *, workload: dict[str, Any], device: str, timeout_s: float, progress: Progress | None
 ) -> str:
-    """Run the workload under torch.profiler; the trace's name inside `job_dir`."""
+    """Run the workload (the profile_torch worker's request, less the trace file and the device)
+    under torch.profiler; the trace's name inside `job_dir`."""
     trace = job_dir / "trace.json"
     device, env, visible = job_placement(device)
+    files = [workload[name] for name in ("task", "candidate", "script") if workload[name]]
     job = await run_job(
         JobSpec(
             argv=[sys.executable, "-m", "loom_mcp.worker.profile_torch"],
             job_dir=job_dir,
             env=env,
             visible_devices=visible,
-            readable=[Path(p).parent for p in (task, candidate, script) if p],  # they import siblings
+            readable=[Path(p).parent for p in files],  # they import siblings
             timeout_s=timeout_s,
-            request={
-                "trace_file": str(trace),
-                "task": task,
-                "candidate": candidate,
-                "shape": shape,
-                "script": script,
-                "args": args,
-                "warmup": warmup,
-                "active": active,
-                "device": device,
-            },
+            request={"trace_file": str(trace), **workload, "device": device},
         ),
         on_progress=progress,
     )
@@ -122,11 +115,10 @@ async def _vendor_trace(job_dir: Path, profiler: str, command: list[str], timeou
 
 
 async def profile_workload(
-    *,
+    config: LoomConfig,
     ledger: Ledger,
     artifacts: ArtifactStore,
-    jobs_dir: Path,
-    cache_dir: Path,
+    *,
     profiler: Profiler,
     task: Path | None,
     candidate: Path | None,
@@ -137,41 +129,40 @@ async def profile_workload(
     warmup: int,
     active: int,
     device: str,
-    timeout_s: float,
     campaign_id: str | None,
     progress: Progress | None,
 ) -> ProfileResult:
+    """The job runs in its own directory under config.jobs_dir, for at most config.job_timeout_s."""
     started = time.monotonic()
     trace_id = new_run_id("trace")
-    job_dir = jobs_dir / trace_id
+    job_dir = config.jobs_dir / trace_id
     job_dir.mkdir(parents=True, exist_ok=True)
     if profiler == "torch":
         if task is None and script is None:
             raise LoomError(ErrorCode.BAD_INPUT, "profiler='torch' needs task= (optionally candidate=) or script=")
+        workload = {
+            "task": str(task) if task else None,
+            "candidate": str(candidate) if candidate else None,
+            "shape": shape,
+            "script": str(script) if script else None,
+            "args": args,
+            "warmup": warmup,
+            "active": active,
+        }
         raw_name = await _torch_trace(
-            job_dir,
-            task=str(task) if task else None,
-            candidate=str(candidate) if candidate else None,
-            shape=shape,
-            script=str(script) if script else None,
-            args=args,
-            warmup=warmup,
-            active=active,
-            device=device,
-            timeout_s=timeout_s,
-            progress=progress,
+            job_dir, workload=workload, device=device, timeout_s=config.job_timeout_s, progress=progress
         )
     else:
         if not command:
             raise LoomError(ErrorCode.BAD_INPUT, f"profiler='{profiler}' needs command=[...] to run")
-        raw_name = await _vendor_trace(job_dir, profiler, command, timeout_s, progress)
+        raw_name = await _vendor_trace(job_dir, profiler, command, config.job_timeout_s, progress)
     if progress:
         await progress("scrubbing and storing the trace")
     suffix = Path(raw_name).suffix
     # The job directory is the job's: anything there may be a link, a FIFO or a hard link to a
     # file of the server's. The trace is copied out once (regular file, no link followed, size
     # capped) into a private directory of the server's, and scrubbed and read only there.
-    staging = Path(tempfile.mkdtemp(prefix="profile-", dir=_staging_root(cache_dir)))
+    staging = Path(tempfile.mkdtemp(prefix="profile-", dir=_staging_root(config.cache_dir)))
     try:
         raw = staging / ("raw" + suffix)
         scrubbed = staging / ("scrubbed" + suffix)
@@ -184,7 +175,7 @@ async def profile_workload(
             data, kind=f"trace-{profiler}", name=f"{trace_id}{suffix}{'.gz' if suffix == '.json' else ''}"
         )
         analysis = analyze_trace_cached(
-            artifact_path_with_suffix(artifacts, sha, suffix), top_k=5, cache_root=cache_dir / "traces"
+            artifact_path_with_suffix(artifacts, sha, suffix), top_k=5, cache_root=config.cache_dir / "traces"
         )
         tl = analysis.timeline
         # Without GPU activity the analysis ranks host ops, as analyze_trace shows them.

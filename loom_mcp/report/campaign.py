@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loom_mcp import __version__
 from loom_mcp.config import LoomConfig
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.fields import optional
 from loom_mcp.store import ArtifactStore, Ledger
 
 REPORT_SCHEMA = "loom.campaign_report/1"
@@ -34,9 +35,7 @@ class Attempt(_M):
     status: str
     task: str
     candidate: str
-    config_fingerprint: str | None = Field(
-        default=None, description="The policy in force when this attempt was judged (null: not recorded)"
-    )
+    config_fingerprint: str | None = optional("The policy in force when this attempt was judged (null: not recorded)")
     speedup: float | None = None
     ci_low: float | None = None
     ci_high: float | None = None

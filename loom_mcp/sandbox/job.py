@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from loom_mcp.fields import empty_list, optional
+
 
 def code_cache(job_dir: Path, code: Path) -> Path:
     """The compile-cache directory for jobs that run `code` (a candidate or baseline file):
@@ -70,9 +72,8 @@ class JobSpec(BaseModel):
         "once a second; the job is killed past it); also the size of its private /tmp and "
         "/dev/shm. None: the server's job_disk_bytes; 0: no quota",
     )
-    visible_devices: list[int] | None = Field(
-        default=None,
-        description=("Physical GPU indices to expose. None leaves the server's setting; [] hides all GPUs"),
+    visible_devices: list[int] | None = optional(
+        "Physical GPU indices to expose. None leaves the server's setting; [] hides all GPUs"
     )
     allow_network: bool = False
     readonly_fs: bool = Field(
@@ -81,24 +82,19 @@ class JobSpec(BaseModel):
         "job_dir, `writable`) where the kernel allows it, else the host's tree read-only but for "
         "job_dir, `writable` and /dev/shm. Off: the host's tree, writable (tests only)",
     )
-    readable: list[Path] = Field(
-        default_factory=list,
-        description="Files and directories the job may read, bound read-only at the same path: "
-        "the task's and the candidate's directories (a candidate imports its siblings)",
+    readable: list[Path] = empty_list(
+        "Files and directories the job may read, bound read-only at the same path: "
+        "the task's and the candidate's directories (a candidate imports its siblings)"
     )
-    writable: list[Path] = Field(
-        default_factory=list,
-        description="Directories the job may write besides job_dir (created if missing), e.g. "
-        "the compile cache of the one file it runs",
+    writable: list[Path] = empty_list(
+        "Directories the job may write besides job_dir (created if missing), e.g. "
+        "the compile cache of the one file it runs"
     )
-    shm_dir: Path | None = Field(
-        default=None,
-        description="A host directory to bind at /dev/shm instead of a private tmpfs, so the "
-        "processes of one benchmark share POSIX shared memory and CUDA IPC files",
+    shm_dir: Path | None = optional(
+        "A host directory to bind at /dev/shm instead of a private tmpfs, so the "
+        "processes of one benchmark share POSIX shared memory and CUDA IPC files"
     )
-    request: dict[str, Any] | None = Field(
-        default=None, description="JSON for the worker: job_dir/request.json, path in LOOM_REQUEST"
-    )
+    request: dict[str, Any] | None = optional("JSON for the worker: job_dir/request.json, path in LOOM_REQUEST")
 
     @field_validator("env")
     @classmethod
@@ -134,12 +130,8 @@ class JobResult(BaseModel):
     result: dict[str, Any] | list[Any] | None = Field(
         description="What the worker sent over the private result pipe; None if nothing or invalid"
     )
-    result_error: str | None = Field(
-        default=None, description="Why `result` is None although the worker sent something"
-    )
-    marks: dict[str, float] | None = Field(
-        default=None, description="Moments of the worker's life (epoch seconds) sent with its result"
-    )
+    result_error: str | None = optional("Why `result` is None although the worker sent something")
+    marks: dict[str, float] | None = optional("Moments of the worker's life (epoch seconds) sent with its result")
     network_isolated: bool
     readonly_fs: bool = Field(
         default=False, description="The file system outside the job's writable paths was read-only"
@@ -149,8 +141,8 @@ class JobResult(BaseModel):
         description="What the job saw of the file system: 'allowlist' (a root of its own holding "
         "only what it needs), 'readonly' (the host's tree, read-only; the fallback), 'none'",
     )
-    memory_limit: Literal["cgroup", "rlimit"] | None = Field(
-        default=None, description="How the job's memory was limited (cgroup memory.max or RLIMIT_DATA)"
+    memory_limit: Literal["cgroup", "rlimit"] | None = optional(
+        "How the job's memory was limited (cgroup memory.max or RLIMIT_DATA)"
     )
     memory_limit_bytes: int | None = None
     memory_exceeded: bool = Field(

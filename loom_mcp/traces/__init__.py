@@ -37,21 +37,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'loom_mcp.traces' has no attribute {name!r}")
 
 
-__all__ = [
-    "ANALYSIS_VERSION",
-    "CategoryRow",
-    "DiffRow",
-    "DiffSummary",
-    "Finding",
-    "LinkingSummary",
-    "MetadataNote",
-    "OpRow",
-    "Roofline",
-    "ScrubReport",
-    "TimelineSummary",
-    "TraceAnalysis",
-    "analyze_trace_cached",
-    "analyze_trace_file",
-    "scrub_trace",
-    "trace_content_hash",
-]
+__all__ = sorted(_LAZY)  # every lazily loaded name, and nothing else

@@ -16,6 +16,7 @@ import re
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -153,26 +154,23 @@ class DepthScanner:
         )
 
 
+@dataclass(eq=False)  # a stream: two readers are never equal
 class GuardedReader:
     """Byte stream of a trace with its limits enforced as it is read: JSON nesting depth and,
     for gzip input, the inflated size and the compression ratio (counted while inflating, so a
     bomb is stopped after its first megabytes, whatever its gzip trailer claims)."""
 
-    def __init__(
-        self,
-        raw: IO[bytes] | gzip.GzipFile,
-        file: IO[bytes],
-        name: str,
-        limits: _limits.TraceLimits,
-        compressed: bool,
-    ) -> None:
-        self.raw = raw
-        self.file = file
-        self.name = name
-        self.limits = limits
-        self.compressed = compressed
-        self.inflated = 0
-        self.depth = DepthScanner(limits.max_depth, name, limits.max_token_bytes) if limits.max_depth > 0 else None
+    raw: IO[bytes] | gzip.GzipFile
+    file: IO[bytes]
+    name: str
+    limits: _limits.TraceLimits
+    compressed: bool
+    inflated: int = field(default=0, init=False)
+    depth: DepthScanner | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        limits = self.limits
+        self.depth = DepthScanner(limits.max_depth, self.name, limits.max_token_bytes) if limits.max_depth > 0 else None
 
     def read(self, n: int | None = -1) -> bytes:
         if n is None or n < 0:

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from loom_mcp.fields import empty_list, optional
 from loom_mcp.traces.secrets import scrub_any
 
 NextTool = Literal["benchmark", "compile_kernel", "profile", "run_validation", "analyze_trace"]
@@ -62,9 +63,9 @@ class CategoryRow(_M):
 
 
 class Roofline(_M):
-    tflops: float | None = Field(default=None, description="Achieved TFLOP/s")
-    tbps: float | None = Field(default=None, description="Achieved TB/s (minimum traffic)")
-    pct: float | None = Field(default=None, description="Percent of the device roofline")
+    tflops: float | None = optional("Achieved TFLOP/s")
+    tbps: float | None = optional("Achieved TB/s (minimum traffic)")
+    pct: float | None = optional("Percent of the device roofline")
     bound: Literal["compute", "memory"] | None = None
 
 
@@ -79,7 +80,7 @@ class OpRow(_M):
     calls: int
     us: float = Field(description="Summed kernel time (a trace without GPU activity: top-level host op time)")
     pct: float = Field(description="Share of summed GPU kernel time (or of host op time)")
-    roof: Roofline | None = Field(default=None, description="Null when shapes are not modelled")
+    roof: Roofline | None = optional("Null when shapes are not modelled")
 
 
 class LinkingSummary(_M):
@@ -105,7 +106,7 @@ class Finding(_M):
 
 class MetadataNote(_M):
     found: bool
-    blocks: list[str] = Field(default_factory=list, description="Names of the blocks found")
+    blocks: list[str] = empty_list("Names of the blocks found")
     keys: int = 0
     secret_like: bool = False
     note: str

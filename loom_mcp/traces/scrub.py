@@ -97,13 +97,13 @@ def _scrub_kineto(src: Path, dst: Path) -> ScrubReport:
 def _report(src: Path, dst: Path, events: int, removed: list[str], removed_keys: int, redacted: int) -> ScrubReport:
     return ScrubReport(
         src=src.name,
+        bytes_in=src.stat().st_size,
         dst=dst.name,
+        bytes_out=dst.stat().st_size,
         events=events,
         removed_blocks=removed,
         removed_keys=removed_keys,
         redacted_values=redacted,
-        bytes_in=src.stat().st_size,
-        bytes_out=dst.stat().st_size,
     )
 
 

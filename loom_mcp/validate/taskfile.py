@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loom_mcp.fields import empty_list, optional
 from loom_mcp.judge_models import DEFAULT_TOLERANCES, GateConfig, Tolerance
 from loom_mcp.validate.source_ast import (
     _assigned_value,
@@ -84,8 +85,8 @@ class _Model(BaseModel):
 class Signature(_Model):
     """Parameters of a function or method (self dropped), as far as the AST tells."""
 
-    params: list[str] = Field(default_factory=list, description="Positional-or-keyword, in order")
-    required: list[str] = Field(default_factory=list, description="Parameters without a default")
+    params: list[str] = empty_list("Positional-or-keyword, in order")
+    required: list[str] = empty_list("Parameters without a default")
     kwonly: list[str] = Field(default_factory=list)
     varargs: bool = False
     varkw: bool = False
@@ -118,22 +119,18 @@ class TaskSpec(_Model):
     get_init_inputs: Signature
     shapes: list[ShapeSpec] = Field(description="SHAPES, or one 'default' shape when absent")
     shapes_declared: bool = Field(description="The file defines SHAPES (loom extension)")
-    tolerance: dict[str, Tolerance] | None = Field(
-        default=None, description="TOLERANCE by canonical dtype, as written in the task"
-    )
+    tolerance: dict[str, Tolerance] | None = optional("TOLERANCE by canonical dtype, as written in the task")
     has_check: bool = False
     flops: Signature | None = None
     bytes_moved: Signature | None = None
     nondeterministic: bool = False
-    baseline: str | None = Field(
-        default=None,
-        description="BASELINE: a file beside the task that times the slow path when the Model "
-        "is only a correctness oracle (a CPU or float64 reference)",
+    baseline: str | None = optional(
+        "BASELINE: a file beside the task that times the slow path when the Model "
+        "is only a correctness oracle (a CPU or float64 reference)"
     )
-    dtypes: list[str] = Field(
-        default_factory=list,
-        description="Canonical dtypes the task mentions (torch.bfloat16, 'fp16' in SHAPES, ...); "
-        "a candidate using them is not downgrading precision",
+    dtypes: list[str] = empty_list(
+        "Canonical dtypes the task mentions (torch.bfloat16, 'fp16' in SHAPES, ...); "
+        "a candidate using them is not downgrading precision"
     )
 
     @property
@@ -144,8 +141,8 @@ class TaskSpec(_Model):
 class CandidateSpec(_Model):
     path: str
     model_new_line: int
-    init: Signature | None = Field(default=None, description="None when inherited")
-    forward: Signature | None = Field(default=None, description="None when inherited")
+    init: Signature | None = optional("None when inherited")
+    forward: Signature | None = optional("None when inherited")
 
 
 # ---------------------------------------------------------------- signatures
@@ -176,6 +173,16 @@ def _method(cls: ast.ClassDef, name: str) -> Signature | None:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
             return _signature(stmt, method=True)
     return None
+
+
+def _class(path: str, top: dict[str, ast.stmt], name: str, missing: str) -> ast.ClassDef:
+    """The top-level class `name` (Model, ModelNew); `missing` says what a file without it lacks."""
+    stmt = top.get(name)
+    if stmt is None:
+        raise _fail(path, None, f"defines no `class {name}`; {missing}")
+    if not isinstance(stmt, ast.ClassDef):
+        raise _fail(path, stmt.lineno, f"`{name}` must be a class (class {name}(torch.nn.Module))")
+    return stmt
 
 
 def _function(path: str, top: dict[str, ast.stmt], name: str, *, required: bool) -> Signature | None:
@@ -336,20 +343,15 @@ def _check_shape_arguments(path: str, task: TaskSpec) -> None:
 def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
     tree = _parse(source, path)
     top = _top_level(tree)
-    model = top.get("Model")
-    if model is None:
-        raise _fail(
-            path,
-            None,
-            "defines no `class Model`; a task needs class Model (the "
-            "reference), get_inputs() and get_init_inputs() (the KernelBench format)",
-        )
-    if not isinstance(model, ast.ClassDef):
-        raise _fail(path, model.lineno, "`Model` must be a class (class Model(torch.nn.Module))")
+    model = _class(
+        path,
+        top,
+        "Model",
+        "a task needs class Model (the reference), get_inputs() and get_init_inputs() (the KernelBench format)",
+    )
     forward = _method(model, "forward")
     if forward is None:
         raise _fail(path, model.lineno, "class Model defines no forward()")
-    init = _method(model, "__init__") or Signature(line=model.lineno)
     get_inputs = _function(path, top, "get_inputs", required=True)
     get_init_inputs = _function(path, top, "get_init_inputs", required=True)
     assert get_inputs is not None and get_init_inputs is not None
@@ -389,7 +391,7 @@ def parse_task_source(source: str, path: str = "task.py") -> TaskSpec:
     spec = TaskSpec(
         path=path,
         model_line=model.lineno,
-        model_init=init,
+        model_init=_method(model, "__init__") or Signature(line=model.lineno),
         model_forward=forward,
         get_inputs=get_inputs,
         get_init_inputs=get_init_inputs,
@@ -413,16 +415,12 @@ def read_task(path: str | Path) -> TaskSpec:
 
 def parse_candidate_source(source: str, path: str = "candidate.py") -> CandidateSpec:
     tree = _parse(source, path)
-    cls = _top_level(tree).get("ModelNew")
-    if cls is None:
-        raise _fail(
-            path,
-            None,
-            "defines no `class ModelNew`; a candidate defines ModelNew with "
-            "the same constructor and forward() as the task's Model",
-        )
-    if not isinstance(cls, ast.ClassDef):
-        raise _fail(path, cls.lineno, "`ModelNew` must be a class (class ModelNew(torch.nn.Module))")
+    cls = _class(
+        path,
+        _top_level(tree),
+        "ModelNew",
+        "a candidate defines ModelNew with the same constructor and forward() as the task's Model",
+    )
     return CandidateSpec(
         path=path,
         model_new_line=cls.lineno,
