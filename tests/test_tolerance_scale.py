@@ -154,7 +154,7 @@ def test_the_workers_verdict_and_a_tasks_own_check(tmp_path, monkeypatch, with_c
     """Through the worker's validate: zeros fail with both numbers reported; a task's check(out,
     ref) is the rule that counts where it exists (it may accept what is not close, e.g. up to a
     sign), and the numbers are still reported."""
-    from tests.test_reference_worker import _validate_as_the_candidate
+    from tests.test_validation_handoff import _validate_as_the_candidate
 
     source = TASK_WITH_CHECK if with_check else TASK_WITH_CHECK.split("\ndef check")[0]
     task = tmp_path / "task.py"
