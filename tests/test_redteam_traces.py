@@ -1,12 +1,12 @@
 """analyze_trace under attack, through the real MCP protocol (the pytest process is the server).
 
-The attacks (tests/redteam/attack_trace_*.py) write their payloads at test time:
+The attacks (tests/redteam/attack_traces.py) write their payloads at test time:
 
-* attack_trace_nesting: 2 MB of `[` (grew the server to 20 GB);
-* attack_trace_deep_nesting: a valid trace nesting a million levels in one event (closed the
+* nesting: 2 MB of `[` (grew the server to 20 GB);
+* deep nesting: a valid trace nesting a million levels in one event (closed the
   connection);
-* attack_trace_gzip_bomb: 4-15 MB of gzip inflating to 4.3 GB (no cap);
-* attack_trace_secrets: tokens inside op, kernel, API, device and block names (echoed back).
+* gzip bombs: 4-15 MB of gzip inflating to 4.3 GB (no cap);
+* secrets: tokens inside op, kernel, API, device and block names (echoed back).
 
 Each bomb must come back as a quick `[BAD_INPUT]` naming the limit it hit, without the server
 process growing, and the server must then analyse a normal trace. No secret may appear anywhere
@@ -52,10 +52,7 @@ def _attack(name: str):
     return mod
 
 
-nesting = _attack("attack_trace_nesting")
-deep = _attack("attack_trace_deep_nesting")
-bomb = _attack("attack_trace_gzip_bomb")
-leaks = _attack("attack_trace_secrets")
+hostile = _attack("attack_traces")
 
 
 # --- measuring the server process ----------------------------------------------------------
@@ -98,12 +95,12 @@ def _children_peak_mib() -> float:
 def attacks(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("attacks")
     files = {
-        "nesting": nesting.write(d / "nesting.json"),
-        "deep_arrays": deep.write(d / "deep_arrays.json", kind="arrays"),
-        "deep_objects": deep.write(d / "deep_objects.json", kind="objects"),
+        "nesting": hostile.write_nesting(d / "nesting.json"),
+        "deep_arrays": hostile.write_deep_nesting(d / "deep_arrays.json", kind="arrays"),
+        "deep_objects": hostile.write_deep_nesting(d / "deep_objects.json", kind="objects"),
     }
     for kind in ("events", "string", "whitespace", "rocprof"):
-        files[f"gzip_{kind}"] = bomb.write(d / f"bomb_{kind}.json.gz", kind)
+        files[f"gzip_{kind}"] = hostile.write_gzip_bomb(d / f"bomb_{kind}.json.gz", kind)
     return files
 
 
@@ -288,11 +285,11 @@ def _fragments(s: dict[str, str]) -> list[str]:
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_no_secret_in_anything_analyze_trace_returns(tmp_path, home):
-    s = leaks.secrets()
+    s = hostile.secrets()
     named = tmp_path / f"trace_{s['aws']}.json"  # the file name carries one too
-    kineto = leaks.write_kineto(named)
-    rocprof = leaks.write_rocprof(tmp_path / "rocprof.json")
-    malformed = leaks.write_malformed(tmp_path / "malformed.json")
+    kineto = hostile.write_kineto_with_secrets(named)
+    rocprof = hostile.write_rocprof_with_secrets(tmp_path / "rocprof.json")
+    malformed = hostile.write_malformed_with_secret(tmp_path / "malformed.json")
     nsys = _nsys_with_secrets(tmp_path / "nsys.sqlite", s)
     gz = tmp_path / "kineto.json.gz"
     gz.write_bytes(gzip.compress(kineto.read_bytes()))
@@ -331,9 +328,9 @@ def test_artifacts_are_scrubbed_on_disk(tmp_path):
     """analyze_trace_file's artifacts (CSV, JSON, summary) hold no secret either."""
     from loom_mcp.traces import analyze_trace_file
 
-    s = leaks.secrets()
+    s = hostile.secrets()
     out = tmp_path / "out"
-    summary = analyze_trace_file(leaks.write_kineto(tmp_path / "k.json"), out_dir=out)
+    summary = analyze_trace_file(hostile.write_kineto_with_secrets(tmp_path / "k.json"), out_dir=out)
     blob = summary.model_dump_json() + "".join(
         p.read_text(errors="replace") for p in out.iterdir() if p.suffix != ".png")
     assert "[REDACTED]" in blob
@@ -344,13 +341,10 @@ def test_artifacts_are_scrubbed_on_disk(tmp_path):
 def test_attack_generators_run_as_scripts(tmp_path):
     import subprocess
 
-    for name, args in (("attack_trace_nesting", ["n.json"]),
-                       ("attack_trace_deep_nesting", ["d.json", "objects"]),
-                       ("attack_trace_secrets", ["."])):
-        subprocess.run([sys.executable, str(REDTEAM / f"{name}.py"), *args], cwd=tmp_path,
-                       check=True, capture_output=True)
-    assert (tmp_path / "n.json").stat().st_size == nesting.SIZE
-    assert (tmp_path / "secrets_kineto.json").is_file()
+    subprocess.run([sys.executable, str(REDTEAM / "attack_traces.py"), ".", "nesting", "deep", "secrets"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    assert (tmp_path / "nesting.json").stat().st_size == hostile.NESTING_SIZE
+    assert (tmp_path / "deep_objects.json").is_file() and (tmp_path / "secrets_kineto.json").is_file()
 
 
 # --- secrets in metadata, and scrub_trace ---------------------------------------------------

@@ -37,6 +37,23 @@ from .conftest import make_git_repo
 
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 REDTEAM = Path(__file__).parent / "redteam"
+
+# What an agent's benchmark_command appended to LOOM_HOME/loom.toml to loosen the human's gate.
+# Appended to a file that already has a [gate] table it no longer parses (TOML forbids declaring
+# a table twice): the next start must refuse it with [CONFIG_INVALID] and the file:line, never
+# fall back to defaults.
+GATE_APPEND_ATTACK = """
+[gate]
+min_gain = -1.0
+max_plausible_speedup = 1000000.0
+accept_wall_clock = true
+"""
+# An agent that reached the ledger raises every campaign's budgets far above the human's ceilings.
+# Budgets are re-capped by the server's configured ceilings at every check, so this must not let
+# one more candidate through.
+RAISE_BUDGET_ATTACK = (
+    "UPDATE campaigns SET budgets_json = '{\"gpu_seconds\": 1e9, \"candidates\": 100000, \"wall_seconds\": 1e9}';"
+)
 DEMO = resources.files("loom_mcp") / "demo_data"
 
 
@@ -172,7 +189,7 @@ def test_an_unparsable_loom_toml_is_refused_with_file_line_and_a_recovery_hint(t
     config_file.write_text(base_toml(tmp_path))
     first = spawn(home, tmp_path)  # a good start: remembers the file it started with
     assert first.returncode == 0, first.stderr[-2000:]
-    payload = (REDTEAM / "attack_loom_toml_gate_append.toml").read_text()
+    payload = GATE_APPEND_ATTACK
     config_file.write_text(config_file.read_text() + payload)
     line = config_file.read_text().splitlines().index("[gate]", 5) + 1  # the second [gate]
     stderr = assert_refused(spawn(home, tmp_path), 2, "CONFIG_INVALID")
@@ -215,7 +232,7 @@ async def test_loom_toml_edited_while_the_server_runs_is_reported_not_applied(tm
         assert second["config_fingerprint"] == rules and second["budgets"]["candidates"] == 5
 
         # The attack payload: the file no longer loads; the server goes on under its rules.
-        config_file.write_text(base_toml(tmp_path) + (REDTEAM / "attack_loom_toml_gate_append.toml").read_text())
+        config_file.write_text(base_toml(tmp_path) + GATE_APPEND_ATTACK)
         report = await client.call_tool("campaign_report", {"campaign_id": first["campaign_id"]})
         assert report.is_error is False, text_of(report)
         assert "loom.toml changed on disk since the server started" in report.structured_content["next_step"]
@@ -259,7 +276,7 @@ async def test_a_budget_raised_in_the_ledger_lets_no_more_candidates_through(tmp
                    " candidate, candidate_sha, pid) VALUES ('s-old', ?, ?, 'reject', 't', 'x', 'c', 'y', 1)",
                    (cid, time.time()))
         # ...then the agent raises the budget in the ledger.
-        db.executescript((REDTEAM / "attack_raise_budget.sql").read_text())
+        db.executescript(RAISE_BUDGET_ATTACK)
         db.commit()
         db.close()
         submitted = await client.call_tool("submit_candidate", {
