@@ -15,8 +15,8 @@
 #   sweep       Q4_K GEMV tilings (CUDA-core and tensor-core kernels) and rmsnorm rows per program
 #   floor       the Q4_K GEMV against kernels that only read its weight (tiled as it is, and flat)
 #   cuda        the candidate's CUDA batch-1 Q4_K GEMV: checks, then timed against its Triton kernel
-#               (CUDA_AGAINST=path/to/other/candidate.py: and against that file's CUDA kernel;
-#               CUDA_CANDIDATE=path: another file in the candidate's place; CUDA_BATCH=N: batch N,
+#               (CUDA_AGAINST=path/to/other/q4k_gemv.py: and against that file's CUDA kernels;
+#               CUDA_CANDIDATE=path: another q4k_gemv.py in its place; CUDA_BATCH=N: batch N,
 #               Triton against one CUDA launch per row; CUDA_K_PARTS=1,2,7: the batched kernel
 #               also with K cut into those numbers of parts; CUDA_VARIANTS,
 #               CUDA_ROUNDS, CUDA_TIMEOUT: see kernels/tools/probe_q4k_cuda.py --help)

@@ -69,6 +69,7 @@ async def validate(client, repo, candidate: str) -> dict:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_declared_sources_are_seen_and_undeclared_ones_are_not(workspace):
     repo, home = workspace
     async with Client(build_server(load_config(home))) as client:
@@ -89,6 +90,7 @@ async def test_declared_sources_are_seen_and_undeclared_ones_are_not(workspace):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_changed_source_is_validated_again_and_frozen_with_the_candidate(workspace):
     repo, home = workspace
     async with Client(build_server(load_config(home))) as client:
@@ -133,6 +135,7 @@ async def test_bad_sources_entries_are_bad_input(workspace, declared, expected):
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_source_swapped_while_validation_runs_is_not_what_passed(workspace):
     """The job runs a server-owned copy, hashed before it starts: a helper swapped mid-run
     neither reaches the job nor becomes the bytes the passed validation stands for."""
@@ -169,3 +172,63 @@ async def test_compile_sees_the_task_file_not_its_directory(workspace):
                                                            "task": str(repo / "task.py")})
     assert result.is_error is True
     assert "No module named 'leak'" in result.content[0].text, result.content[0].text
+
+
+KERNEL_CU = "// the candidate's CUDA source, read beside it\n__global__ void noop() {}\n"
+READS_CU = '''
+from pathlib import Path
+
+import torch
+
+from norm_helper import fused
+
+SOURCES = ["norm_helper.py", "kernel.cu"]
+CUDA_SOURCE = {read}
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, hidden: int = 4096):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        assert "__global__" in CUDA_SOURCE
+        return fused(x, self.weight)
+'''
+READ_DECLARED = 'Path(__file__).with_name("kernel.cu").read_text(encoding="utf-8")'
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_candidate_reads_its_declared_sources_and_nothing_else(workspace):
+    """Reading a declared source passes the static checks and runs (the job sees the file);
+    an undeclared file, a write to a declared one, or a computed name is a static.io error."""
+    repo, home = workspace
+    (repo / "kernel.cu").write_text(KERNEL_CU)
+    (repo / "notes.cu").write_text(KERNEL_CU)  # beside it, undeclared
+    variants = {
+        "reads.py": READS_CU.format(read=READ_DECLARED),
+        "undeclared.py": READS_CU.format(read=READ_DECLARED.replace("kernel.cu", "notes.cu")),
+        "writes.py": READS_CU.format(read=READ_DECLARED)
+        + '\nPath(__file__).with_name("kernel.cu").write_text("__global__ void k() {}")\n',
+        "computed.py": READS_CU.format(read='Path(__file__).with_name("kernel" + ".cu").read_text()'),
+        # a declared helper reads the candidate's source through its own SOURCES
+        "helper_reads.py": READS_CU.replace('"norm_helper.py"', '"cu_helper.py"')
+        .replace("from norm_helper", "from cu_helper")
+        .format(read='"__global__"'),
+        "cu_helper.py": HONEST + '\nfrom pathlib import Path\n\nSOURCES = ["kernel.cu"]\n'
+        + f"CUDA_SOURCE = {READ_DECLARED}\n",
+    }
+    for name, text in variants.items():
+        (repo / name).write_text(text)
+    async with Client(build_server(load_config(home))) as client:
+        found = {name: await validate(client, repo, name) for name in variants if name != "cu_helper.py"}
+    assert found["reads.py"]["passed"], found["reads.py"]["findings"]
+    assert found["helper_reads.py"]["passed"], found["helper_reads.py"]["findings"]
+    for name in ("undeclared.py", "writes.py", "computed.py"):
+        static = [f for f in found[name]["findings"] if f["severity"] == "error" and f["check"].startswith("static.")]
+        assert not found[name]["passed"], name
+        assert static and {f["check"] for f in static} == {"static.io"}, (name, static)
+        assert all(f["where"].rsplit("/", 1)[-1].startswith(f"{name}:") for f in static), (name, static)
+    # the undeclared file is not there for the job either: only declared sources are copied
+    assert any(f["check"] == "validation.import" and "notes.cu" in f["message"] for f in found["undeclared.py"]["findings"])

@@ -96,3 +96,22 @@ def test_recorded_compiler_reports_parse():
         "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
         "ptxas info    : Used 40 registers, used 0 barriers, 2048 bytes smem\n")
     assert (ptxas[0].registers, ptxas[0].spill_stores_bytes, ptxas[0].shared_memory_bytes) == (40, 4, 2048)
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_kernels_in_declared_sources_are_found(server, tmp_path):
+    """A candidate whose kernel lives in a source it declares: the kernel is found there, named
+    by its module, and a kernel it also imports by name is listed once."""
+    (tmp_path / "scale_lib.py").write_text(
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        "def scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+        "    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)\n"
+    )
+    candidate = tmp_path / "candidate.py"
+    candidate.write_text('SOURCES = ["scale_lib.py"]\n\nimport scale_lib  # noqa: E402,F401\n')
+    async with Client(server) as client:
+        result = await client.call_tool("compile_kernel", {"source": str(candidate), "language": "triton"})
+    assert result.is_error is False, result.content
+    assert [k["name"] for k in result.structured_content["kernels"]] == ["scale_lib.scale_kernel"]

@@ -72,7 +72,7 @@ def test_rules_bind_exactly_what_rules_py_declares():
     namespace: dict[str, object] = {"__annotations__": declared}
     rules._bind(namespace)
     bound = {name: value for name, value in namespace.items() if name.isupper()}
-    assert len(bound) == 100 and all(value == getattr(rules, name) for name, value in bound.items())
+    assert len(bound) == 103 and all(value == getattr(rules, name) for name, value in bound.items())
     assert isinstance(rules.GUARDED_ROOTS, frozenset) and isinstance(rules.THREAD_MODULES, tuple)
     assert rules.MODULE_RULES[0] == (rules.THREAD_MODULES, rules.THREAD_IMPORT)
     with pytest.raises(ValueError, match="NOT_IN_THE_FILE"):

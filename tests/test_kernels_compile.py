@@ -5,18 +5,21 @@ with the ptxas and LLVM it bundles, so a CPU-only machine can prove that a kerne
 sm_90 cubin and gfx942 HSACO at the exact constexprs the task's real shapes ask for, and that
 ptxas assigns it registers without spilling. Timing still needs the GPU.
 
-The launches are recorded, not run: each `@triton.jit` object in the candidate's module is
-swapped for a recorder, the model runs at every shape in the task's SHAPES (TRITON_INTERPRET=1
-makes its launcher take the Triton path on CPU tensors), and each distinct
+The launches are recorded, not run: each `@triton.jit` object in the kernel module (a task's
+library, which its candidate declares and imports, or one of the model program's fused ops) is
+swapped for a recorder, the candidate's model runs at every shape in the task's SHAPES
+(TRITON_INTERPRET=1 makes its launcher take the Triton path on CPU tensors), and each distinct
 (kernel, signature, constexprs, launch options) is then compiled for real.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import itertools
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -53,7 +56,7 @@ def jit_kernels(module: ModuleType) -> dict[str, JITFunction]:
     return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)}
 
 
-# Files that hold Triton kernels: the tasks' candidates and the model program's fused ops (not
+# Files that hold Triton kernels: the tasks' kernel modules and the model program's fused ops (not
 # the GPU probes under kernels/tools/).
 TRITON_FILES = sorted(
     path
@@ -98,18 +101,28 @@ class LaunchRecorder:
 
 
 def record_launches(path: Path, monkeypatch) -> tuple[ModuleType, set[Launch]]:
-    """Every launch a candidate makes at its task's shapes. A kernel file that is not a task's
-    candidate (the model program's fused ops) names its own launches in `example_calls()`."""
-    module = load(path)
+    """Every launch a kernel file makes at its task's shapes: a candidate (or a cheat) through its
+    own ModelNew, a task's kernel module through the task's candidate. A kernel file outside a
+    task (the model program's fused ops) names its own launches in `example_calls()`."""
     task_file = path.parent / "task.py"
+    if task_file.exists():
+        # As the judge's jobs import it: the task's directory on sys.path, the module under its
+        # own name, which the candidate's import then finds.
+        monkeypatch.syspath_prepend(str(path.parent))
+        for sibling in path.parent.glob("*.py"):
+            monkeypatch.delitem(sys.modules, sibling.stem, raising=False)
+        module = importlib.import_module(path.stem)
+    else:
+        module = load(path)
     launches: set[Launch] = set()
     for name, kernel in jit_kernels(module).items():
         monkeypatch.setattr(module, name, LaunchRecorder(name, kernel, launches))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # only steers the launcher; nothing is interpreted
     if task_file.exists():
         task = load(task_file)
+        candidate = module if hasattr(module, "ModelNew") else load(path.parent / "candidate.py")
         for shape in task.SHAPES:
-            model = module.ModelNew(*task.get_init_inputs(**shape))
+            model = candidate.ModelNew(*task.get_init_inputs(**shape))
             with torch.no_grad():
                 model(*task.get_inputs(**shape))
     else:

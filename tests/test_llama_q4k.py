@@ -5,7 +5,7 @@ quantizer, F32 norms, F16 embeddings) and read back; the model's logits against 
 reference on the same dequantized weights; the KV cache (decode at position t gives the prefill's
 logits at t); and the benchmark command's JSON.
 
-Most tests take the candidates' torch paths (plain CPU tensors). One runs the Triton kernels
+Most tests take the kernels' torch paths (plain CPU tensors). One runs the Triton kernels
 under the interpreter. TRITON_INTERPRET=1 has to be set before triton is imported, so that
 test runs this file as a script in a child process, as tests/test_kernels.py does.
 """
@@ -396,7 +396,7 @@ def test_fused_add_rmsnorm_kernel_matches_the_unfused_pair():
 
 ROPE_CACHE_CHECK = r"""
 import json, torch
-from kernels.llama_q4k.model import torch_rope
+from kernels.rope.rope import torch_rope
 from kernels.llama_q4k.rope_cache import rope_cache
 torch.manual_seed(0)
 report = []
@@ -438,7 +438,7 @@ def test_fused_rope_cache_kernel_writes_the_cache_like_index_copy():
 DECODE_ATTENTION_CHECK = r"""
 import json, torch
 from kernels.llama_q4k.decode_attention import CHUNK, decode_attention, torch_decode_attention
-from kernels.llama_q4k.model import torch_rope
+from kernels.rope.rope import torch_rope
 torch.manual_seed(0)
 report = []
 cases = [(1, 4, 0, 300, torch.bfloat16), (3, 4, CHUNK - 1, 300, torch.bfloat16),

@@ -1,9 +1,11 @@
-"""The q4k_gemv candidate's CUDA batch-1 kernel: its source builds for Hopper without spills
-(nvcc, here), and on a GPU it matches the float64 reference across shapes, activation ranges
-and CUDA-graph replay. Timing it: `python kernels/tools/probe_q4k_cuda.py` (gpu_session.sh `cuda`)."""
+"""The Q4_K GEMV's CUDA kernels (kernels/q4k_gemv/q4k_gemv.cu): the source builds for Hopper
+without spills (nvcc, here), and on a GPU they match the float64 reference across shapes,
+activation ranges and CUDA-graph replay; and the GPU tools around them. Their launch choices:
+test_q4k_gemv_policy.py. Timing them: `python kernels/tools/probe_q4k_cuda.py` (gpu_session.sh `cuda`)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -26,18 +28,22 @@ def load(name: str, path: Path):
     return module
 
 
+CUDA_SOURCE = (TASK_DIR / "q4k_gemv.cu").read_text(encoding="utf-8")
+
+
 @pytest.fixture(scope="module")
-def candidate():
+def gemv():
+    """The GEMV as the model program imports it (q4k_gemv picks the CUDA kernels on Hopper)."""
     pytest.importorskip("torch")
     pytest.importorskip("triton")
     pytest.importorskip("gguf")  # the task's reference dequantizes with it
-    return load("q4k_cuda_test_candidate", TASK_DIR / "candidate.py")
+    return importlib.import_module("kernels.q4k_gemv.q4k_gemv")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_cuda_source_builds_for_sm90_without_spills(candidate, tmp_path):
+def test_cuda_source_builds_for_sm90_without_spills(tmp_path):
     source = tmp_path / "q4k_gemv.cu"
-    source.write_text(candidate.CUDA_SOURCE)
+    source.write_text(CUDA_SOURCE)
     build = subprocess.run(
         ["nvcc", "-c", "-arch=sm_90", "-O3", "-Xptxas", "-v",
          "-o", str(tmp_path / "k.o"), str(source)],
@@ -53,59 +59,8 @@ def test_cuda_source_builds_for_sm90_without_spills(candidate, tmp_path):
     assert spills and not any(spills), report
 
 
-def test_shared_memory_plan_fits_two_ctas_for_llama_shapes(candidate):
-    # H200 / H100: 227 KB per CTA at most, 228 KB per SM; two CTAs keep the ring full while
-    # the other computes.
-    for n_blocks in (16, 56):
-        for after_small in (False, True):
-            stages = candidate.cuda_stages(n_blocks, after_small)
-            assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024
-    # the long rows hold more x; even the deepest ring the probes try there (4) fits two CTAs
-    assert candidate.cuda_shared_bytes(56, 3) > candidate.cuda_shared_bytes(16, 3)
-    assert 2 * (candidate.cuda_shared_bytes(56, 4) + 1024) <= 228 * 1024
-
-
-def test_ring_depth_follows_the_shape_and_the_caller_unless_overridden(candidate, monkeypatch):
-    monkeypatch.delenv("LOOM_Q4K_STAGES", raising=False)
-    # back to back with another heavy kernel (the task's timing): three slots everywhere
-    assert [candidate.ring_slots(n) for n in (5, 16, 32, 56, 64)] == [3] * 5
-    # after a small kernel (the model's down projection after SwiGLU): four from K = 8192
-    assert candidate.ring_slots(56, True) == candidate.cuda_stages(56, True) == 4
-    assert candidate.ring_slots(16, True) == candidate.cuda_stages(16, True) == 3
-    # a fourth slot only while two CTAs still fit an SM: K = 16384 yes, K = 18944 no
-    assert candidate.cuda_stages(64, True) == 4 and candidate.cuda_stages(74, True) == 3
-    for n_blocks in (16, 32, 56, 64, 72, 74):
-        stages = candidate.cuda_stages(n_blocks, True)
-        assert 2 * (candidate.cuda_shared_bytes(n_blocks, stages) + 1024) <= 228 * 1024, n_blocks
-    # the variable overrides the caller's context too (A/B timing inside a whole program)
-    monkeypatch.setenv("LOOM_Q4K_STAGES", "4")
-    assert candidate.ring_slots(56) == candidate.ring_slots(16) == candidate.ring_slots(16, True) == 4
-    monkeypatch.setenv("LOOM_Q4K_STAGES", "16:5, 56:4")
-    assert (candidate.ring_slots(16), candidate.ring_slots(56)) == (5, 4)
-    assert candidate.ring_slots(5) == candidate.cuda_stages(5)  # a shape not named keeps its own
-    assert candidate.ring_slots(64, True) == candidate.cuda_stages(64, True) == 4
-    for bad in ("0", "9", "four", "-1", "16:9", "x:4", "16:4,56", "16:", "4,16:9"):
-        monkeypatch.setenv("LOOM_Q4K_STAGES", bad)
-        with pytest.raises(ValueError, match="LOOM_Q4K_STAGES"):
-            candidate.ring_slots(56)
-
-
-def test_what_streams_before_the_kernel_ahead_ends(candidate):
-    # after a small kernel, the whole ring, whatever the work
-    assert candidate.items_before_wait(7, 4, follows_small_kernel=True) == 4
-    assert candidate.items_before_wait(8, 3, follows_small_kernel=True) == 3
-    # back to back: the whole ring where the CTA's work fits it (4096², 1024x4096: two items)
-    assert candidate.items_before_wait(2, 3) == 3
-    assert candidate.items_before_wait(3, 3) == 3
-    # one chunk where it outlasts the ring (the 33 MB shapes: seven and eight items)
-    assert candidate.items_before_wait(7, 3) == candidate.items_before_wait(8, 3) == 1
-    # the launch counts a CTA's items with the CUDA source's chunk width
-    defined = re.search(r"#define CHUNK_BLOCKS (\d+)", candidate.CUDA_SOURCE)
-    assert defined and int(defined.group(1)) == candidate.CUDA_CHUNK_BLOCKS
-
-
 @pytest.mark.gpu
-def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
+def test_cuda_kernel_matches_the_reference_on_a_gpu(gemv):
     import torch
 
     major = torch.cuda.get_device_capability()[0]
@@ -113,7 +68,7 @@ def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
         pytest.skip("the CUDA kernel runs on sm_90 (newer GPUs with LOOM_Q4K_CUDA=1)")
     task = load("q4k_cuda_test_task", TASK_DIR / "task.py")
     base = load("q4k_cuda_test_base", TASK_DIR / "baseline.py")
-    assert candidate.cuda_gemv_b1(torch.device("cuda")) is not None, "the kernel did not build"
+    assert gemv.cuda_gemv_b1(torch.device("cuda")) is not None, "the kernel did not build"
     torch.manual_seed(0)
     # Small K after large K on purpose: a per-shape shared-memory limit would break the large
     # one afterwards.
@@ -123,109 +78,22 @@ def test_cuda_kernel_matches_the_reference_on_a_gpu(candidate):
         x, w = task.get_inputs(batch=1, n=n, k=k, dtype=dtype)
         x, w = (x * scale).cuda(), w.cuda()
         want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
-        got = candidate.q4k_gemv(x, w)
+        got = gemv.q4k_gemv(x, w)
         assert task.check(got, want), (n, k, dtype, scale)
     # the same numbers from a CUDA-graph replay
     x, w = task.get_inputs(batch=1, n=2048, k=4096)
     x, w = x.cuda(), w.cuda()
-    eager = candidate.q4k_gemv(x, w)
+    eager = gemv.q4k_gemv(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = candidate.q4k_gemv(x, w)
+        captured = gemv.q4k_gemv(x, w)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
 
 
-def test_batches_go_to_the_cuda_kernel_only_where_it_was_faster(candidate):
-    path = candidate.cuda_path
-    # batch 1 everywhere on the batch-1 kernel
-    assert path(1024, 1, 0) == "rows" and path(9, 1, 0) == "rows"
-    # the batched kernel wherever two CTAs fit an SM (K = 4096 up to batch 5), from 1024 rows
-    assert all(path(n, b, 2) == "batched" for n in (1024, 4096, 14336) for b in range(2, 9))
-    # one CTA per SM: it lost at batch 2 (4096 x 14336) and won from batch 3
-    assert path(4096, 2, 1) == "rows" and path(4096, 3, 1) == "batched" and path(4096, 4, 1) == "batched"
-    assert path(1024, 8, 1) == "batched"
-    # where it would not fit (no longer at Llama shapes: K is cut into parts, see below):
-    # per-row launches from 4096 rows, else Triton
-    assert path(4096, 8, 0) == "rows" and path(14336, 6, 0) == "rows"
-    assert path(1024, 2, 0) is None and path(1024, 2, 1) is None
-    # too few rows for either measured CUDA path, or more rows of x than a program takes
-    assert path(512, 4, 2) is None
-    assert path(4096, 9, 2) is None and path(14336, 16, 0) is None
-    assert candidate.cuda_takes_batch(1024, 8) and not candidate.cuda_takes_batch(512, 2)
-    assert not candidate.cuda_takes_batch(4096, 9)
-
-
-def test_persistent_grid_gives_every_cta_the_same_tiles(candidate):
-    # 132 SMs x 2 CTAs: 896 tiles (14336 rows) go to 224 CTAs, four each; 256 tiles to 256
-    assert candidate.balanced_grid(14336, 264) == 224
-    assert candidate.balanced_grid(4096, 264) == 256
-    assert candidate.balanced_grid(100, 264) == 7  # a tile each
-    for rows in (1024, 4096, 4112, 14336, 28672):
-        tiles, grid = -(-rows // 16), candidate.balanced_grid(rows, 264)
-        assert grid <= 264 and -(-tiles // grid) == -(-tiles // 264)
-
-
-def test_batched_shared_memory_matches_what_was_measured(candidate):
-    # the rule above was measured with these fits on an H200 (228 KB per SM, 1 KB reserved per
-    # CTA, 227 KB at most per CTA): K = 4096 holds two CTAs to batch 5, one to batch 8;
-    # K = 14336 one CTA to batch 5, none beyond
-    def per_sm(n_blocks, batch):
-        shared = candidate.cuda_batched_shared_bytes(n_blocks, batch, 3)
-        return 0 if shared > 227 * 1024 else min(2, 228 * 1024 // (shared + 1024))
-
-    assert [per_sm(16, b) for b in range(2, 9)] == [2, 2, 2, 2, 1, 1, 1]
-    assert [per_sm(56, b) for b in range(2, 9)] == [1, 1, 1, 1, 0, 0, 0]
-
-
-def test_batched_kernel_cuts_k_where_x_crowds_out_a_second_cta(candidate, monkeypatch):
-    """Where x of every row leaves room for one CTA per SM or none, the batched kernel cuts K
-    into runs of whole chunks, each CTA holding x of its run only: the fewest equal runs that
-    let two CTAs onto an SM. Occupancy modelled as on the H200 (228 KB per SM, 1 KB reserved
-    per CTA, 227 KB at most per CTA)."""
-    monkeypatch.delenv("LOOM_Q4K_K_PARTS", raising=False)
-
-    def plan(n_blocks, batch, n_rows=4096):
-        def per_sm(parts):
-            shared = candidate.cuda_batched_shared_bytes(n_blocks, batch, 3, parts)
-            return 0 if shared > 227 * 1024 else min(2, 228 * 1024 // (shared + 1024))
-
-        parts = candidate.batched_k_parts(n_blocks, batch, per_sm, n_rows, 132)
-        return parts, per_sm(parts)
-
-    # K = 4096 (two chunks), 4096 rows: whole at batches 2 and 3, two parts of one chunk from
-    # batch 4 (from batch 6 two CTAs per SM need them)
-    assert [plan(16, b) for b in range(2, 9)] == [(1, 2)] * 2 + [(2, 2)] * 5
-    # 1024 rows are 64 tiles: whole K would keep 64 of the 264 resident CTAs busy
-    assert plan(16, 2, 1024) == (2, 2) and plan(16, 3, 14336) == (1, 2)
-    # K = 14336 (seven chunks): seven parts of one chunk at every batch (2 or 3 parts would be
-    # uneven, and 4 chunks of x for 8 rows still leave one CTA per SM)
-    assert [plan(56, b) for b in range(2, 9)] == [(7, 2)] * 7
-    assert plan(56, 2, 100) == (7, 2)  # no more parts than there are chunks
-    # without a row count, no filling: the fewest parts that fit two CTAs (and two from batch 4)
-    assert candidate.batched_k_parts(16, 2, lambda parts: 2) == 1
-    assert candidate.batched_k_parts(16, 4, lambda parts: 2) == 2
-    # a run is whole chunks; the last part may be short (K = 11008: 43 blocks, 6 chunks)
-    assert candidate.part_blocks(43, 1) == 43 and candidate.part_blocks(43, 2) == 24
-    assert candidate.part_blocks(43, 6) == 8 and candidate.part_blocks(56, 7) == 8
-    assert candidate.cuda_batched_shared_bytes(56, 8, 3, 7) == candidate.cuda_batched_shared_bytes(8, 8, 3)
-    # no part is ever empty: 6 chunks asked into 4 parts are 3 parts of 2, 7 into 5 are 4
-    assert [candidate.whole_parts(43, k) for k in range(1, 9)] == [1, 2, 3, 3, 3, 6, 6, 6]
-    assert candidate.whole_parts(56, 5) == 4 and candidate.whole_parts(56, 7) == 7
-    # the timing override, bounded by the chunks there are
-    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "3")
-    assert candidate.batched_k_parts(56, 8, lambda parts: 2) == 3
-    assert candidate.batched_k_parts(16, 8, lambda parts: 2) == 2
-    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "4")
-    assert candidate.batched_k_parts(43, 8, lambda parts: 2) == 3
-    monkeypatch.setenv("LOOM_Q4K_K_PARTS", "two")
-    with pytest.raises(ValueError, match="LOOM_Q4K_K_PARTS"):
-        candidate.batched_k_parts(56, 8, lambda parts: 2)
-
-
 @pytest.mark.gpu
-def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate, monkeypatch):
+def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(gemv, monkeypatch):
     """Where the batched kernel does not fit (or is turned off, as here), batches 2-8 of a large
     weight run the batch-1 kernel once per row, rows after the first as programmatic
     dependents: each row of the result is that row's batch-1 result, bit for bit, eagerly and
@@ -243,21 +111,21 @@ def test_batched_decode_on_the_cuda_kernel_is_each_row_alone(candidate, monkeypa
         x, w = x.cuda(), w.cuda()
         want = (x.double() @ base.dequantize_q4_k(w).double().T).to(x.dtype)
         for constant in (False, True):
-            got = candidate.q4k_gemv(x, w, constant_weight=constant)
+            got = gemv.q4k_gemv(x, w, constant_weight=constant)
             assert task.check(got, want), (batch, n, k, constant)
             for row in range(batch):
-                assert torch.equal(got[row], candidate.q4k_gemv(x[row : row + 1], w)[0]), (batch, n, row)
+                assert torch.equal(got[row], gemv.q4k_gemv(x[row : row + 1], w)[0]), (batch, n, row)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = candidate.q4k_gemv(x, w, constant_weight=True)
+            captured = gemv.q4k_gemv(x, w, constant_weight=True)
         x.copy_(torch.flip(x, dims=[0]))  # new inputs in place: the replay must read them
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, candidate.q4k_gemv(x, w)), (batch, n, k)
+        assert torch.equal(captured, gemv.q4k_gemv(x, w)), (batch, n, k)
 
 
 @pytest.mark.gpu
-def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
+def test_batched_kernel_matches_the_reference_on_a_gpu(gemv):
     """The batched kernel (one launch for batches 2-8, the MMA's columns the rows of x) against
     float64, with odd row counts, K tails, fp16, scaled x and zero sub-blocks; and from a graph."""
     import torch
@@ -266,7 +134,7 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
         pytest.skip("the CUDA kernel runs on sm_90")
     task = load("q4k_cuda_test_task_batched", TASK_DIR / "task.py")
     base = load("q4k_cuda_test_base_batched", TASK_DIR / "baseline.py")
-    kernel = candidate.cuda_gemv_b1(torch.device("cuda"))
+    kernel = gemv.cuda_gemv_b1(torch.device("cuda"))
     torch.manual_seed(0)
     # K cut into parts (third field; 0: the kernel's own cut) as well as whole: seven parts at
     # K = 14336, uneven parts, a short last chunk in the last part, more parts than tiles need
@@ -286,9 +154,9 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
         again = torch.empty_like(want)
         kernel.batched(x, w, again, k_parts=k_parts)
         assert torch.equal(got, again), (batch, n, k, k_parts)  # parts are added in one order
-        if not k_parts and candidate.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch, n)) == "batched":
+        if not k_parts and gemv.cuda_path(n, batch, kernel.batched_ctas_per_sm(k // 256, batch, n)) == "batched":
             # q4k_gemv picks this kernel here: the same launch, the same bits
-            assert torch.equal(candidate.q4k_gemv(x, w), got), (batch, n, k)
+            assert torch.equal(gemv.q4k_gemv(x, w), got), (batch, n, k)
     assert kernel.batched_k_parts(56, 8, 4096) == 7  # the H200's cut at K = 14336 (see the CPU test)
     for k_parts in (1, 2):  # from a graph, whole and cut (the parts' buffer is the graph's own)
         graph = torch.cuda.CUDAGraph()
@@ -302,7 +170,7 @@ def test_batched_kernel_matches_the_reference_on_a_gpu(candidate):
 
 
 @pytest.mark.gpu
-def test_programmatic_dependent_launches_read_each_result(candidate, monkeypatch):
+def test_programmatic_dependent_launches_read_each_result(gemv, monkeypatch):
     """The model's decode chain under PDL: each kernel lets the next one start early, and each
     waits for the one before it before reading its output. A chain where every GEMV reads the
     norm just written and every norm reads the GEMV just written gives the same bits with PDL
@@ -323,7 +191,7 @@ def test_programmatic_dependent_launches_read_each_result(candidate, monkeypatch
         outs = []
         for _ in range(12):
             h, normed = add_rms_norm(h, y, norm_weight, 1e-5, constant_weight=True)
-            y = candidate.q4k_gemv(normed, w, constant_weight=True)
+            y = gemv.q4k_gemv(normed, w, constant_weight=True)
             outs.append(y)
         return torch.cat(outs)
 
@@ -444,16 +312,16 @@ def test_gpu_session_packs_what_the_device_would_not_return(tmp_path, files, pac
 
 
 @pytest.mark.parametrize("no_math", [False, True])
-def test_timeline_instrumentation_finds_its_anchors_and_builds(candidate, tmp_path, no_math):
+def test_timeline_instrumentation_finds_its_anchors_and_builds(tmp_path, no_math):
     # kernels/tools/timeline_q4k_gemv.py edits the kernel's text at fixed places; a kernel change that
     # moves one must fail here, not on the GPU machine
     sys.path.insert(0, str(REPO / "kernels" / "tools"))
     timeline = load("q4k_timeline_tool", REPO / "kernels" / "tools" / "timeline_q4k_gemv.py")
-    source = timeline.instrument(candidate.CUDA_SOURCE, no_math)
+    source = timeline.instrument(CUDA_SOURCE, no_math)
     assert source.count("= now_ns()") == 7  # start, issue, x readable, x prepared, arrive, done, end
     assert ("if (false) {" in source) == no_math
     with pytest.raises(SystemExit, match="anchor"):
-        timeline.instrument(candidate.CUDA_SOURCE.replace("griddepcontrol.wait", "griddepcontrol_wait"), no_math)
+        timeline.instrument(CUDA_SOURCE.replace("griddepcontrol.wait", "griddepcontrol_wait"), no_math)
     if shutil.which("nvcc") is None:
         return
     (tmp_path / "timeline.cu").write_text(source)

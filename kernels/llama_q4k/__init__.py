@@ -1,1 +1,1 @@
-"""A small Llama-style decoder on GGUF Q4_K weights, run on the built-in kernel candidates."""
+"""A small Llama-style decoder on GGUF Q4_K weights, run on the built-in kernels."""

@@ -7,7 +7,7 @@ both in one: each program reads a row of x and of delta once, writes h and y onc
 
 Numerics match the unfused pair: h is rounded to the activation dtype as PyTorch's add rounds
 it, and the norm is taken of that rounded h, in fp32, with one rounding at the store (the
-rmsnorm candidate's arithmetic).
+rmsnorm kernel's arithmetic).
 
 Self-check: `TRITON_INTERPRET=1 python -m kernels.llama_q4k.add_rmsnorm`, or on a GPU without
 the variable.
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rmsnorm.candidate import MAX_FUSED_ROW, round_to
-from kernels.silu_mul.candidate import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.rmsnorm.rmsnorm import MAX_FUSED_ROW
+from kernels.silu_mul.silu_mul import gdc_launch_dependents, gdc_wait, pdl_launch, round_to
 
 
 @triton.jit

@@ -22,7 +22,7 @@ Steps:
    masked attention reads at every step); `decode_fraction_of_ceiling` is batch-1 decode
    against it.
 
-On the CPU, the kernel candidates take their torch paths unless TRITON_INTERPRET=1 is set
+On the CPU, the kernels take their torch paths unless TRITON_INTERPRET=1 is set
 before the run (which is slow, and meant for tiny checks); `kernel_path` says which ran.
 llama3-8b random weights need a GPU.
 """
@@ -45,7 +45,7 @@ import triton
 from kernels.llama_q4k.generate import Clock, DecodeStep, generate
 from kernels.llama_q4k.model import CONFIGS, TORCH_OPS, Transformer, reference_logits
 from kernels.llama_q4k.weights import load_gguf, random_weights
-from kernels.q4k_gemv.candidate import cuda_gemv_b1
+from kernels.q4k_gemv.q4k_gemv_cuda import cuda_gemv_b1
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_prefill_tokens_per_s": prompt_tokens / (bf16_prefill_ms / 1e3)
         if bf16_prefill_ms is not None
         else None,
-        # batch-1 decode GEMVs on the q4k_gemv candidate's CUDA kernel where it is built
+        # batch-1 decode GEMVs on the q4k_gemv CUDA kernel where it is built
         "kernel_path": ("cuda+triton" if cuda_gemv_b1(device) is not None else "triton")
         if on_gpu
         else "triton" if interpreted else "torch-fallback",

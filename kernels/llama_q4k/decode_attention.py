@@ -7,7 +7,7 @@ attention and a reduction): about 18 us of a 2.7 ms token, for a few MB of cache
 
 Here:
 - `decode_attention_partial_kernel`, one program per (batch row, KV head, split of CHUNK cache
-  positions): it rotates the group's query heads and the token's key (the rope candidate's
+  positions): it rotates the group's query heads and the token's key (the rope kernel's
   angles and rounding), writes the rotated key and the value into the cache slot at the token's
   position (the program whose split holds that position), and takes the attention of its query
   heads over its split. Keys before the position come from the cache; the token's own key and
@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from kernels.llama_q4k.rope_cache import rope_cache
-from kernels.rope.candidate import round_to
-from kernels.silu_mul.candidate import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.rope.rope import rope_inv_freq
+from kernels.silu_mul.silu_mul import gdc_launch_dependents, gdc_wait, pdl_launch, round_to
 
 # Cache positions per program: 128 was faster on the H200 but spills registers at 4 and 8 warps
 # for sm_90, which tests/test_kernels_compile.py refuses (docs/kernels/decode_attention.md).
@@ -332,7 +332,7 @@ if __name__ == "__main__":
         q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k, v = (t.reshape(batch, -1, head_dim) for t in (q, k, v))
         positions = torch.tensor([position], device=device)
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        inv_freq = rope_inv_freq(head_dim, 500000.0).to(device)
         caches = [torch.randn(batch, kv_heads, max_seq, head_dim, dtype=dtype, device=device) for _ in range(2)]
         mine = [cache.clone() for cache in caches]
         want = torch_decode_attention(positions, q, k, v, inv_freq, *caches)

@@ -1,14 +1,14 @@
-"""A small Llama-style decoder whose linear layers are GGUF Q4_K, run on our kernel candidates.
+"""A small Llama-style decoder whose linear layers are GGUF Q4_K, run on our kernels.
 
 The shape follows gpt-fast: Transformer -> TransformerBlock -> Attention + FeedForward.
 
 - Linears keep their Q4_K bytes packed (uint8 [out, in / 256 * 144], as GGUF stores them).
-  Decode (at most 8 rows) runs the q4k_gemv candidate, which dequantizes in registers. Prefill
-  runs the q4k_gemm candidate's path: one Triton pass dequantizes the matrix to the activation
+  Decode (at most 8 rows) runs the q4k_gemv kernels, which dequantize in registers. Prefill
+  runs the q4k_gemm kernel's path: one Triton pass dequantizes the matrix to the activation
   dtype, then the framework's dense matmul (cuBLAS on a GPU).
 - q/k/v and gate/up are each fused into one matrix, so decode launches one GEMV where it
   would otherwise launch three (or two); packed rows concatenate like any other rows.
-- RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul candidates. These run Triton on
+- RMSNorm, RoPE and SwiGLU call the rmsnorm, rope and silu_mul kernels. These run Triton on
   GPU tensors and under TRITON_INTERPRET=1, and fall back to their torch paths on plain CPU
   tensors. Each residual add is done by the kernel that normalizes its sum (add_rmsnorm.py):
   a layer hands its last output to the next one unsummed. RoPE writes k and v into the KV
@@ -40,12 +40,13 @@ from kernels.llama_q4k.add_rmsnorm import add_rms_norm, torch_add_rms_norm
 from kernels.llama_q4k.decode_attention import decode_attention, torch_decode_attention
 from kernels.llama_q4k.rope_cache import rope_cache
 from kernels.q4k.format import dequantize_q4_k
-from kernels.q4k_gemm.candidate import dequantize_to
-from kernels.q4k_gemv.candidate import q4k_gemv
-from kernels.rmsnorm.candidate import rmsnorm
-from kernels.silu_mul.candidate import silu_mul
+from kernels.q4k_gemm.q4k_gemm import dequantize_to
+from kernels.q4k_gemv.q4k_gemv import q4k_gemv
+from kernels.rmsnorm.rmsnorm import rmsnorm
+from kernels.rope.rope import rope_inv_freq, torch_rope
+from kernels.silu_mul.silu_mul import silu_mul
 
-# Up to 8 rows the q4k_gemv candidate (on Hopper its CUDA kernels, `cuda_path`; its Triton
+# Up to 8 rows the q4k_gemv kernels (on Hopper its CUDA kernels, `cuda_path`; its Triton
 # kernel otherwise); past that, prefill.
 GEMV_MAX_ROWS = 8
 
@@ -85,20 +86,6 @@ def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return normed.to(x.dtype)
 
 
-def torch_rope(positions: Tensor, q: Tensor, k: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate pairs (i, i + head_dim/2) by position * inv_freq; q, k [..., tokens, heads, dim]."""
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
-    cos, sin = angles.cos(), angles.sin()
-
-    def rotate(x: Tensor) -> Tensor:
-        x32 = x.float()
-        first, second = x32.chunk(2, dim=-1)
-        return (x32 * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
 def torch_silu_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
@@ -131,12 +118,6 @@ TORCH_OPS = Ops(
     partial(rope_cache, rope=torch_rope),
     partial(torch_decode_attention, rope=torch_rope),
 )
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
-    # Computed as the rope task's reference does, so both sides rotate by the same fp32 angles.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta**exponents)
 
 
 # ---------------------------------------------------------------- weights

@@ -1,12 +1,12 @@
 """RoPE fused with the KV-cache write: q rotated out, k rotated and v copied into the cache.
 
-Unfused, a layer's attention input takes three kernels: the rope candidate (q and k), then one
+Unfused, a layer's attention input takes three kernels: the rope kernel (q and k), then one
 index_copy_ each for k and v into the cache. At decode each moves a few KB and is all launch,
 so the model program does the three in one: per token, one program takes the angles once,
 writes the rotated q, and writes the rotated k and the plain v straight into their cache slot
 (the slot is the token's position, where an index_copy_ along the sequence would put it).
 
-The angles and rotations are the rope candidate's own (`rotate_token_q`, `rotate_heads`), so
+The angles and rotations are the rope kernel's own (`rotate_token_q`, `rotate_heads`), so
 the numbers are the same bits.
 
 Self-check: `TRITON_INTERPRET=1 python -m kernels.llama_q4k.rope_cache`, or on a GPU without
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope.candidate import apply_rope, rotate_heads, rotate_token_q
+from kernels.rope.rope import apply_rope, rope_inv_freq, rotate_heads, rotate_token_q
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def rope_cache(
     [batch, Hkv, max_seq, D] at their positions; T = batch * seq tokens, batch-major, with the
     same `seq` positions [T] for every batch row. One kernel on GPU tensors and under the
     interpreter; given `rope` (or on plain CPU tensors), the unfused three instead: `rope`
-    (default: the rope candidate) on q and k, then index_copy_ of k and v."""
+    (default: the rope kernel) on q and k, then index_copy_ of k and v."""
     if rope is not None or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         q_rot, k_rot = (rope or apply_rope)(positions, q, k, inv_freq)
         batch, kv_heads, _, head_dim = k_cache.shape
@@ -184,7 +184,7 @@ if __name__ == "__main__":
         q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k, v = (t.reshape(batch * seq, -1, head_dim) for t in (q, k, v))
         positions = torch.arange(start, start + seq, device=device).repeat(batch)
-        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        inv_freq = rope_inv_freq(head_dim, 500000.0).to(device)
         caches = [torch.randn(batch, kv_heads, max_seq, head_dim, dtype=dtype, device=device) for _ in range(2)]
         caches += [cache.clone() for cache in caches]
         want_q = rope_cache(positions, q, k, v, inv_freq, caches[0], caches[1], rope=apply_rope)

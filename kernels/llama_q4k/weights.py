@@ -4,13 +4,13 @@ Tensors use llama.cpp's names (token_embd.weight, blk.N.attn_q.weight, ..., outp
 stay on the CPU; Transformer copies them to its device.
 
 GGUFReader gives a Q4_K tensor's `data` as uint8 [rows, cols / 256 * 144]: one run of 144-byte
-blocks per output feature, exactly what the q4k_gemv candidate reads. Its `shape` field is in
+blocks per output feature, exactly what the q4k_gemv kernels read. Its `shape` field is in
 GGML's reversed order, [cols, rows], so we never use it. Q4_K stays packed; every other type
 (F32 norms, F16 embeddings, the Q6_K tensors of Q4_K_M files) is dequantized to fp32 at load by
 gguf-py, and `load_gguf` reports which.
 
 llama.cpp's converter permutes the rows of attn_q and attn_k so that its rope can rotate
-adjacent pairs (2i, 2i+1). The rope candidate rotates (i, i + head_dim/2), as Hugging Face does,
+adjacent pairs (2i, 2i+1). The rope kernel rotates (i, i + head_dim/2), as Hugging Face does,
 so the reader undoes that permutation and the writer applies it. It only moves whole rows, so
 packed Q4_K rows move as they are.
 

@@ -42,7 +42,7 @@ def run_kernel(n: int, k: int, calls: int) -> None:
     from sweep_q4k import load
 
     task = load(REPO / "kernels/q4k_gemv/task.py", "ncu_task")
-    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "ncu_cand")
+    cand = load(REPO / "kernels/q4k_gemv/q4k_gemv.py", "ncu_cand")
     x, w = task.get_inputs(batch=1, n=n, k=k)
     x, w = x.cuda(), w.cuda()
     for _ in range(calls):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Check and time the CUDA batch-1 Q4_K GEMV of kernels/q4k_gemv/candidate.py on a GPU.
+"""Check and time the CUDA batch-1 Q4_K GEMV of kernels/q4k_gemv (q4k_gemv.py) on a GPU.
 
     python kernels/tools/probe_q4k_cuda.py [--out DIR] [--replays 30]
 
@@ -10,13 +10,13 @@ Triton kernel are timed on the Llama-3-8B shapes the way kernels/tools/sweep_q4k
 rotating weights, one CUDA graph, median and P10/P90 over replays. The CUDA kernel is timed
 twice: plain launches ("cuda"), and as programmatic dependent launches ("cuda_pdl", the model
 program's way: each call streams its weight while the one before it finishes). With
-`--against OLD/candidate.py[,OTHER/candidate.py]`, those files' CUDA kernels are checked and
-timed in the same run ("OLD_cuda", "OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on
-one machine state. `--batch N` times batch N instead (the Triton kernel, the batch-1 CUDA
-kernel launched once per row, the batched CUDA kernel, and what q4k_gemv picks; with
-`--against`, those files' batched kernels too). `--variants` adds other ring depths, CTAs per SM or cluster sizes of the
-candidate, plain and PDL; `--candidate OTHER/candidate.py` puts another file in the candidate's
-place. Writes probe_q4k_cuda.json.
+`--against OLD/q4k_gemv.py[,OTHER/q4k_gemv.py]` (another checkout's, or an older single-file
+candidate.py), those files' CUDA kernels are checked and timed in the same run ("OLD_cuda",
+"OLD_cuda_pdl"), and `--rounds N` interleaves them: A/B on one machine state. `--batch N` times
+batch N instead (the Triton kernel, the batch-1 CUDA kernel launched once per row, the batched
+CUDA kernel, and what q4k_gemv picks; with `--against`, those files' batched kernels too).
+`--variants` adds other ring depths, CTAs per SM or cluster sizes of the kernel, plain and PDL;
+`--candidate OTHER/q4k_gemv.py` puts another checkout's in its place. Writes probe_q4k_cuda.json.
 """
 
 from __future__ import annotations
@@ -97,13 +97,13 @@ def main() -> int:
     parser.add_argument(
         "--candidate",
         type=Path,
-        default=REPO / "kernels/q4k_gemv/candidate.py",
-        help="the candidate.py whose kernel is checked, timed and varied (default: the task's own)",
+        default=REPO / "kernels/q4k_gemv/q4k_gemv.py",
+        help="the q4k_gemv.py whose kernels are checked, timed and varied (default: this checkout's)",
     )
     parser.add_argument(
         "--against",
         default="",
-        help="other candidate.py files (comma-separated; say, the last commit's) whose CUDA kernels "
+        help="other q4k_gemv.py files (comma-separated; say, the last commit's) whose CUDA kernels "
         "are checked and timed beside this one's, in the same run; each is named by its folder",
     )
     parser.add_argument(
@@ -116,6 +116,7 @@ def main() -> int:
     task = load(REPO / "kernels/q4k_gemv/task.py", "cuda_probe_task")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "cuda_probe_base")
     cand = load(args.candidate.resolve(), "cuda_probe_cand")
+    policy = load(args.candidate.resolve().with_name("q4k_gemv_policy.py"), "cuda_probe_policy")
     kernel = cand.cuda_gemv_b1(torch.device("cuda"))
     if kernel is None:
         print("the CUDA kernel did not load", file=sys.stderr)
@@ -173,7 +174,7 @@ def main() -> int:
         line = {"shape": [args.batch, n, k], "sets": len(sets)}
         if args.batch > 1:
             k_parts = [int(p) for p in filter(None, args.k_parts.split(","))]
-            timed = batched_entries(cand, kernel, n, k, args.batch, others, k_parts)
+            timed = batched_entries(cand, kernel, n, k, args.batch, policy.whole_parts, others, k_parts)
             x0, w0 = sets[0]
             want = (x0.double() @ base.dequantize_q4_k(w0).double().T).to(x0.dtype)
             for name, fn in timed:
@@ -243,14 +244,21 @@ def batch1_entries(cand, others: dict, variants: dict, n: int, k: int) -> list:
 
 
 def batched_entries(
-    cand, kernel, n: int, k: int, batch: int, others: dict | None = None, k_parts: list[int] | None = None
+    cand,
+    kernel,
+    n: int,
+    k: int,
+    batch: int,
+    whole_parts,
+    others: dict | None = None,
+    k_parts: list[int] | None = None,
 ) -> list:
     """At batch > 1: the Triton kernel, the batch-1 CUDA kernel launched once per row of x into
     its row of y (which reads the weight once per row; the first row plain or as a dependent,
     the others always dependents), the batched CUDA kernel where it fits (and with two ring
     slots where only that fits two CTAs per SM, and over the whole of K where it cuts K into
     parts), what the task's `q4k_gemv` picks (`cuda_path`), and each `--against` file's
-    batched kernel both ways."""
+    batched kernel both ways. `whole_parts`: the policy's, for the cuts of K asked for."""
 
     def rows(x, w, dependent=False):
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -277,7 +285,7 @@ def batched_entries(
     # own cut is more than one part), each where it fits
     if hasattr(kernel, "batched_k_parts"):
         own = kernel.batched_k_parts(k // 256, batch, n)
-        wanted = {cand.whole_parts(k // 256, parts) for parts in k_parts or ([1] if own > 1 else [])}
+        wanted = {whole_parts(k // 256, parts) for parts in k_parts or ([1] if own > 1 else [])}
         for parts in sorted(wanted - {own}):
             if not kernel.batched_fits(k // 256, batch, n, k_parts=parts):
                 continue

@@ -3,7 +3,8 @@
 
     python kernels/tools/sass_q4k_gemv.py [--candidate PATH] [--kernel b1|bn] [--sass FILE]
 
-Builds the candidate's `CUDA_SOURCE` with `nvcc -cubin` for sm_90 (as the kernel object builds
+Builds the GEMV's CUDA source (kernels/q4k_gemv/q4k_gemv.cu, or another checkout's; an older
+single-file candidate.py's `CUDA_SOURCE` string too) with `nvcc -cubin` for sm_90 (as the kernel object builds
 it: -O3, MIN_CTAS=2), disassembles one kernel with `cuobjdump -sass`, finds the loop around its
 integer MMAs (the consumers' per-block loop: from the target of the first backward branch after
 the last IMMA to that branch) and prints its length and instruction mix, with ptxas's register
@@ -29,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = {  # kernel -> mangled name (the signatures of kernels/q4k_gemv/candidate.py)
+KERNELS = {  # kernel -> mangled name (the signatures of kernels/q4k_gemv/q4k_gemv.cu)
     "b1": "_Z18q4k_gemv_b1_kernelILb1EEvPKhPKtPtiiiii",  # K a whole number of chunks
     "b1_partial": "_Z18q4k_gemv_b1_kernelILb0EEvPKhPKtPtiiiii",
     "bn": "_Z18q4k_gemv_bn_kernelPKhPKtPtPfiiiiii",
@@ -89,7 +90,10 @@ def find_cuobjdump() -> str | None:
 
 
 def cuda_source(candidate: Path) -> str:
-    """The candidate's CUDA_SOURCE string, read without importing it (no torch needed)."""
+    """The CUDA source: a .cu file's text, or an older candidate.py's CUDA_SOURCE string, read
+    without importing it (no torch needed)."""
+    if candidate.suffix != ".py":
+        return candidate.read_text()
     for node in ast.parse(candidate.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CUDA_SOURCE" for t in node.targets):
             return ast.literal_eval(node.value)
@@ -123,7 +127,7 @@ def build_and_disassemble(candidate: Path, kernel: str) -> tuple[str, dict[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--candidate", type=Path, default=REPO / "kernels/q4k_gemv/candidate.py")
+    parser.add_argument("--candidate", type=Path, default=REPO / "kernels/q4k_gemv/q4k_gemv.cu")
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="b1")
     parser.add_argument("--sass", type=Path, help="a saved cuobjdump -sass listing instead of a build")
     args = parser.parse_args()

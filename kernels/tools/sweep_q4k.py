@@ -26,10 +26,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load(path: Path, name: str):
+    """Import a file as module `name`, its directory first on sys.path while it loads, as the
+    judge's jobs import a candidate: it finds its sibling modules (a kernel directory's library)
+    by their own names. Those siblings are its directory's: a module of the same name that a
+    file of another directory loaded before (another checkout, for A/B) is set aside meanwhile."""
+    directory = path.resolve().parent
+    siblings = {p.stem for p in directory.glob("*.py")}
+    aside = {
+        key: sys.modules.pop(key)
+        for key in list(sys.modules)
+        if key in siblings and Path(getattr(sys.modules[key], "__file__", None) or "/").parent != directory
+    }
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(directory))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(directory))
+        for key in aside:  # this directory's siblings stay with the module that imported them
+            sys.modules.pop(key, None)
+        sys.modules.update(aside)
     return module
 
 
@@ -84,7 +102,7 @@ def rotating_sets(make, bytes_each: int) -> list[tuple]:
 
 def sweep_gemv(rows: list[dict]) -> None:
     task = load(REPO / "kernels/q4k_gemv/task.py", "sweep_gemv_task")
-    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "sweep_gemv_cand")
+    cand = load(REPO / "kernels/q4k_gemv/q4k_gemv.py", "sweep_gemv_cand")
     base = load(REPO / "kernels/q4k_gemv/baseline.py", "sweep_gemv_base")
     shapes = [
         (1, 4096, 4096),
@@ -214,7 +232,7 @@ def read_kernels():
 def sweep_floor(rows: list[dict]) -> None:
     """The read-only floors at the batch-1 Llama shapes, beside the GEMV's own time."""
     task = load(REPO / "kernels/q4k_gemv/task.py", "floor_gemv_task")
-    cand = load(REPO / "kernels/q4k_gemv/candidate.py", "floor_gemv_cand")
+    cand = load(REPO / "kernels/q4k_gemv/q4k_gemv.py", "floor_gemv_cand")
     readers = read_kernels()
     for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]:
 
@@ -238,12 +256,8 @@ def sweep_floor(rows: list[dict]) -> None:
 
 
 def sweep_gemm(rows: list[dict]) -> None:
-    path = REPO / "kernels/q4k_gemm/candidate.py"
-    if not path.exists():
-        print("no q4k_gemm candidate yet", flush=True)
-        return
     task = load(REPO / "kernels/q4k_gemm/task.py", "sweep_gemm_task")
-    cand = load(path, "sweep_gemm_cand")
+    cand = load(REPO / "kernels/q4k_gemm/q4k_gemm.py", "sweep_gemm_cand")
     base = load(REPO / "kernels/q4k_gemm/baseline.py", "sweep_gemm_base")
     for m in [16, 64, 256, 1024, 2048]:
         for n, k in [(14336, 4096), (4096, 14336)]:
@@ -293,11 +307,11 @@ def sweep_gemm(rows: list[dict]) -> None:
 
 def sweep_rmsnorm(rows: list[dict]) -> None:
     task = load(REPO / "kernels/rmsnorm/task.py", "sweep_rms_task")
-    cand = load(REPO / "kernels/rmsnorm/candidate.py", "sweep_rms_cand")
+    lib = load(REPO / "kernels/rmsnorm/rmsnorm.py", "sweep_rms_lib")
     copy = 4.265e12  # measured D2D copy bandwidth on the H200 (docs/measurements.md)
     for tokens, hidden in [(4096, 4096), (1023, 4000), (512, 4096), (512, 5120)]:
         shape = {"tokens": tokens, "hidden": hidden}
-        model = cand.ModelNew(*task.get_init_inputs(**shape)).cuda()
+        model = task.Model(*task.get_init_inputs(**shape)).cuda()  # for its weight and eps
 
         def make(shape=shape):
             return tuple(t.cuda() for t in task.get_inputs(**shape))
@@ -305,10 +319,10 @@ def sweep_rmsnorm(rows: list[dict]) -> None:
         sets = rotating_sets(make, tokens * hidden * 2)
         moved = task.bytes_moved(**shape)
         for block_rows, warps in itertools.product([1, 2, 4, 8], [2, 4, 8, 16]):
-            config = cand.RmsnormConfig(block_rows, warps)
+            config = lib.RmsnormConfig(block_rows, warps)
             try:
                 timing = time_rotating(
-                    lambda x, c=config, m=model: cand.rmsnorm(x, m.weight, m.eps, c), sets
+                    lambda x, c=config, m=model: lib.rmsnorm(x, m.weight, m.eps, c), sets
                 )
             except Exception as exc:
                 rows.append(table_row("rmsnorm", [tokens, hidden], config, error=exc))
@@ -333,7 +347,7 @@ def sweep_rmsnorm(rows: list[dict]) -> None:
             key=lambda r: r["us"],
             default=None,
         )
-        default = time_rotating(model, sets)[0]
+        default = time_rotating(lambda x, m=model: lib.rmsnorm(x, m.weight, m.eps), sets)[0]  # pick_config's
         print(
             f"rmsnorm {tokens}x{hidden}: default {default * 1e6:.2f} us ({100 * moved / default / copy:.1f} % copy); "
             f"best {best and best['config']} {best and round(best['pct_copy'], 1)} % copy",

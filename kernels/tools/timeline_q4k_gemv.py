@@ -2,7 +2,7 @@
 
     python kernels/tools/timeline_q4k_gemv.py [--out DIR] [--shapes 14336x4096,4096x14336] [--replays 5]
 
-The candidate's CUDA source is instrumented by text insertion at fixed anchors (the tool stops
+The GEMV's CUDA source (kernels/q4k_gemv/q4k_gemv.cu) is instrumented by text insertion at fixed anchors (the tool stops
 if one is missing) and built under its own name. Each CTA records, in nanoseconds of
 %globaltimer: its start, when its consumers may read x (griddepcontrol.wait returns), when x is
 prepared, when the producer issues each chunk, when consumer warp 0 sees each chunk arrive,
@@ -11,7 +11,7 @@ GEMV: one CUDA graph of launches over rotating L2-cold weights, each launch eith
 programmatic dependent of the one before ("pdl": how the probe's cuda_pdl and the model run).
 
 Variants, each built and recorded in the same run:
-- `kept`: the candidate as it is;
+- `kept`: the kernel as it is;
 - `no_math`: the consumers release each chunk without any arithmetic (the tenth session's
   diagnostic): what the stream alone costs in the same structure.
 
@@ -139,13 +139,11 @@ def instrument(source: str, no_math: bool) -> str:
     return head + out + tail + HOST
 
 
-def build(cand, no_math: bool):
+def build(cuda, no_math: bool):
     """A CudaGemvB1 of the instrumented source, with `timeline_reset` bound beside `launch`."""
     import torch.utils.cpp_extension as cpp
 
-    original_source, original_binding, original_load = cand.CUDA_SOURCE, cand.CUDA_BINDING, cpp.load_inline
-    cand.CUDA_SOURCE = instrument(original_source, no_math)
-    cand.CUDA_BINDING = original_binding + BINDING
+    original_load = cpp.load_inline
 
     def load_inline(**kwargs):
         kwargs["functions"] = [*kwargs["functions"], "timeline_reset"]
@@ -154,9 +152,10 @@ def build(cand, no_math: bool):
 
     cpp.load_inline = load_inline
     try:
-        return cand.CudaGemvB1(torch.device("cuda"))
+        source = instrument(cuda.cuda_source(), no_math)
+        return cuda.CudaGemvB1(torch.device("cuda"), source=source, binding=cuda.CUDA_BINDING + BINDING)
     finally:
-        cand.CUDA_SOURCE, cand.CUDA_BINDING, cpp.load_inline = original_source, original_binding, original_load
+        cpp.load_inline = original_load
 
 
 def record_chain(kernel, sets: list, pdl: bool, replays: int) -> np.ndarray:
@@ -254,11 +253,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--shapes", default="14336x4096,4096x14336,4096x4096")
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--candidate", type=Path, default=REPO / "kernels/q4k_gemv/candidate.py")
+    parser.add_argument(
+        "--candidate",
+        type=Path,
+        default=REPO / "kernels/q4k_gemv/q4k_gemv_cuda.py",
+        help="the q4k_gemv_cuda.py whose CUDA source is instrumented (default: this checkout's)",
+    )
     args = parser.parse_args()
     task = load(REPO / "kernels/q4k_gemv/task.py", "timeline_task")
-    cand = load(args.candidate.resolve(), "timeline_cand")
-    variants = {"kept": build(cand, False), "no_math": build(cand, True)}
+    cuda = load(args.candidate.resolve(), "timeline_cuda")
+    variants = {"kept": build(cuda, False), "no_math": build(cuda, True)}
     result: dict = {"device": torch.cuda.get_device_name(), "summaries": []}
     arrays: dict[str, np.ndarray] = {}
     torch.manual_seed(0)

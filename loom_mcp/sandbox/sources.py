@@ -19,38 +19,39 @@ from pathlib import Path, PurePosixPath
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.sandbox import safefs
+from loom_mcp.validate.static_checks.declared import (
+    NATIVE_SUFFIXES,
+    SOURCES_NAME,
+    literal_sources,
+    sources_statement,
+)
 
 MAX_SOURCES = 64
-SOURCES_NAME = "SOURCES"
 # Source text only: Python the static checks read, and what compilers read. Bytecode and
 # binaries (.pyc, .so) would run code nothing checked, under names that hide where it came from.
-SOURCE_SUFFIXES = frozenset({".py", ".cu", ".cuh", ".h", ".hpp", ".c", ".cc", ".cpp", ".hip", ".inc"})
+SOURCE_SUFFIXES = NATIVE_SUFFIXES | {".py"}
 MAX_NAME_BYTES = 255
 
 
 def _declared_names(code: Path) -> list[str]:
+    """SOURCES as the static checks read it (one parse for both: they never disagree)."""
     if code.suffix != ".py":
         return []
     try:
         tree = ast.parse(safefs.read_resolved_bytes(code).decode("utf-8"), filename=str(code))
     except (SyntaxError, ValueError):  # not UTF-8, or not Python: the candidate's own checks say so
         return []
-    for stmt in tree.body:
-        if (
-            isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SOURCES_NAME for t in stmt.targets)
-        ) or (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == SOURCES_NAME):
-            try:
-                value = ast.literal_eval(stmt.value) if stmt.value is not None else None
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                value = None
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-                raise LoomError(
-                    ErrorCode.BAD_INPUT,
-                    f"{code}:{stmt.lineno}: {SOURCES_NAME} must be a literal list of relative paths "
-                    '(e.g. SOURCES = ["gemv.cu", "gemv.h"])',
-                )
-            return list(value)
-    return []
+    stmt = sources_statement(tree)
+    if stmt is None:
+        return []
+    value = literal_sources(stmt)
+    if value is None:
+        raise LoomError(
+            ErrorCode.BAD_INPUT,
+            f"{code}:{stmt.lineno}: {SOURCES_NAME} must be a literal list of relative paths "
+            '(e.g. SOURCES = ["gemv.cu", "gemv.h"])',
+        )
+    return value
 
 
 def _encodable(name: str) -> bool:

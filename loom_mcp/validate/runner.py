@@ -76,15 +76,24 @@ def _job_failure(name: str, job: JobResult) -> str:
 
 
 def static_findings(candidate: Path) -> list[Finding]:
-    """The static checks over the candidate and each Python source it declares (its code too);
-    it has a kernel when any of them has one."""
-    per_file = [
-        check_candidate_source(safefs.read_resolved_text(path), str(path))
-        for path in code_files(candidate)
-        if path == candidate or path.suffix == ".py"
-    ]
-    has_kernel = any(not any(f.check == "static.no_kernel" for f in found) for found in per_file)
-    return [f for found in per_file for f in found if not (has_kernel and f.check == "static.no_kernel")]
+    """The static checks over the candidate and every source it declares: Python is its code
+    too, and native sources (.cu, .h, ...) are scanned as inline native source is. A declared
+    Python source may read what the candidate declares below its own directory. The candidate
+    has a kernel when any of its Python files has one."""
+    files = code_files(candidate)
+    per_file: list[tuple[Path, list[Finding]]] = []
+    for path in files:
+        readable = None
+        if path != candidate:
+            readable = [
+                p.relative_to(path.parent).as_posix() for p in files if p != path and p.is_relative_to(path.parent)
+            ]
+        found = check_candidate_source(safefs.read_resolved_text(path), str(path), declared_sources=readable)
+        per_file.append((path, found))
+    has_kernel = any(
+        path.suffix == ".py" and not any(f.check == "static.no_kernel" for f in found) for path, found in per_file
+    )
+    return [f for _, found in per_file for f in found if not (has_kernel and f.check == "static.no_kernel")]
 
 
 async def validate_candidate(

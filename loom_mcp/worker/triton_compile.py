@@ -12,7 +12,9 @@ Request: {"source": path, "task": path | None, "device": "auto"}
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+from pathlib import Path
 
 from loom_mcp.worker.harness import load_module, pick_device, task_shapes, to_device
 from loom_mcp.worker.protocol import read_request, send_result
@@ -53,6 +55,22 @@ def _jit_functions(module) -> dict:
             fn = getattr(fn, "fn", None)  # Autotuner / Heuristics wrap the JITFunction
         if fn is not None and not isinstance(fn, type):
             found[name] = fn
+    return found
+
+
+def _declared_jit_functions(module, directory: Path) -> dict:
+    """The kernels of the candidate's own module, then those of every module it imported from
+    its directory (its declared sources), named `module.kernel`; each kernel once."""
+    found = _jit_functions(module)
+    seen = {id(fn) for fn in found.values()}
+    for mod in list(sys.modules.values()):
+        origin = getattr(mod, "__file__", None)
+        if mod is module or not origin or not Path(origin).resolve().is_relative_to(directory):
+            continue
+        for name, fn in _jit_functions(mod).items():
+            if id(fn) not in seen:
+                seen.add(id(fn))
+                found[f"{Path(origin).stem}.{name}"] = fn
     return found
 
 
@@ -97,7 +115,7 @@ def main() -> None:
 
         result["triton"] = triton.__version__
         module = load_module(source, "loom_compile_src")
-        jitted = _jit_functions(module)
+        jitted = _declared_jit_functions(module, Path(source).resolve().parent)
         if request.get("task") and hasattr(module, "ModelNew"):
             import torch
 
@@ -121,6 +139,8 @@ def main() -> None:
                 model(*to_device(inputs, device))
             result["ran_task"] = True
             result["shape"] = shape["name"]
+        if result["ran_task"]:  # modules the forward imported lazily are loaded now
+            jitted = _declared_jit_functions(module, Path(source).resolve().parent)
         for name, fn in jitted.items():
             compiled = [] if interpreted else _compiled_kernels(fn)
             result["kernels"].append({"name": name, "compiled": compiled})

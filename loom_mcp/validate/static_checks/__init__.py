@@ -37,9 +37,10 @@ Checks (stable names; severity):
   static.grader_introspection  error    inspect.stack/currentframe, sys._getframe, gc.get_objects,
                                         globals(), frame attributes (f_back, f_globals ...),
                                         __subclasses__, sys.modules, import __main__
-  static.io                    error    open(), pathlib reads/writes, sockets, HTTP, pickle/marshal/
-                                        shelve/sqlite3/mmap, torch.save/load, numpy save/load,
-                                        /dev/shm and /proc paths, fopen/ofstream/shm_open in sources
+  static.io                    error    open(), path reads/writes (but reading a declared source,
+                                        see below), sockets, HTTP, pickle/marshal/shelve/sqlite3/
+                                        mmap, torch.save/load, numpy save/load, /dev/shm and /proc
+                                        paths, fopen/ofstream/shm_open in sources
                                warning  os.makedirs, tempfile, shutil (build directories)
   static.pointer_cache         error    data_ptr()/id()/hash()/tobytes() used as a lookup key;
                                         functools caches on forward; static maps keyed by pointers
@@ -53,12 +54,22 @@ Checks (stable names; severity):
                                warning  getattr on a guarded module with a computed name
   static.no_kernel             warning  no Triton kernel, no inline extension, no CUDA source
 
+A candidate may read the sibling sources it declares in SOURCES (its CUDA source, say), and
+only those, named from `__file__` and string literals:
+
+    SOURCE = Path(__file__).with_name("gemv.cu").read_text()
+
+`declared` resolves such paths; anything it cannot resolve to a declared source stays a
+static.io error, as does any write to one. A declared native source (.cu, .h, ...) passed to
+`check_candidate_source` under its own name is scanned as inline sources are.
+
 Layout: `rules` holds the checks as data (the names and patterns, and each finding's check,
 severity and message); `context` what one candidate's walk knows (imports, aliases, scopes,
 findings); `analyzer` the walk, which hands each node to the families: `imports`, `reference`
 (the reference and the grader), `patching`, `timing` (streams, threads, deferred work, tensor
 subclasses), `escape` (files, native and dynamic code), `shortcuts` (result caches, fallbacks),
-`precision` (and seeds) and `native` (string constants, inline C++/CUDA sources).
+`precision` (and seeds) and `native` (string constants, inline C++/CUDA sources); `declared`
+the SOURCES a file declares and the paths that name one.
 """
 
 from __future__ import annotations
@@ -66,16 +77,19 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from loom_mcp.judge_models import Finding
 from loom_mcp.validate.static_checks.analyzer import Analyzer
 from loom_mcp.validate.static_checks.context import Context, make_finding
+from loom_mcp.validate.static_checks.declared import NATIVE_SUFFIXES, declared_names, normalised
+from loom_mcp.validate.static_checks.native import check_native_text
 from loom_mcp.validate.static_checks.rules import (
     CHECKS,
     CODING_COOKIE,
     DEFAULT_REFERENCE_NAMES,
     DEFAULT_TASK_MODULES,
+    NO_KERNEL,
     SYNTAX,
     Severity,
 )
@@ -114,6 +128,7 @@ def check_candidate_source(
     reference_names: Iterable[str] = DEFAULT_REFERENCE_NAMES,
     task_modules: Iterable[str] = (),
     allowed_dtypes: Iterable[str] = (),
+    declared_sources: Iterable[str] | None = None,
 ) -> list[Finding]:
     """All static findings for one candidate's source, ordered by line.
 
@@ -121,7 +136,12 @@ def check_candidate_source(
     task_modules: extra module names the candidate must not import (e.g. the task file's stem).
     allowed_dtypes: canonical dtypes the task itself uses ('bf16', 'fp16', 'fp8'); using them is
         not a precision downgrade (TaskSpec.dtypes gives them).
+    declared_sources: the sources this file may read, relative to its directory (for a source a
+        candidate declares: the candidate's SOURCES); None: those its own SOURCES declares.
+    A native source (a `filename` ending .cu, .h, ...) is scanned as inline native source is.
     """
+    if PurePosixPath(filename).suffix in NATIVE_SUFFIXES:
+        return _check_native_file(source, filename)
     cookie = _coding_cookie(source)
     if cookie is not None:
         message = CODING_COOKIE.message.format(encoding=cookie)
@@ -137,10 +157,21 @@ def check_candidate_source(
         set(reference_names),
         set(DEFAULT_TASK_MODULES) | set(task_modules),
         set(allowed_dtypes),
+        declared_names(tree) if declared_sources is None else normalised(list(declared_sources)),
     )
     analyzer = Analyzer(ctx)
     analyzer.visit(tree)
     analyzer.finish()
+    return sorted(ctx.findings, key=lambda f: (f.line or 0, f.check))
+
+
+def _check_native_file(source: str, filename: str) -> list[Finding]:
+    """A declared C++/CUDA/HIP source: what the patterns find in inline sources, and no kernel
+    where it defines none (a header, say)."""
+    ctx = Context(ast.Module(body=[], type_ignores=[]), filename, set(), set(), set())
+    check_native_text(ctx, source, 1)
+    if not ctx.kernel_evidence:
+        ctx.report(NO_KERNEL, None)
     return sorted(ctx.findings, key=lambda f: (f.line or 0, f.check))
 
 
@@ -150,6 +181,7 @@ def check_candidate_file(
     reference_names: Iterable[str] = DEFAULT_REFERENCE_NAMES,
     task_modules: Iterable[str] = (),
     allowed_dtypes: Iterable[str] = (),
+    declared_sources: Iterable[str] | None = None,
 ) -> list[Finding]:
     p = Path(path)
     return check_candidate_source(
@@ -158,6 +190,7 @@ def check_candidate_file(
         reference_names=reference_names,
         task_modules=task_modules,
         allowed_dtypes=allowed_dtypes,
+        declared_sources=declared_sources,
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from loom_mcp.judge_models import Finding
+from loom_mcp.validate.static_checks.declared import SourcePaths
 from loom_mcp.validate.static_checks.rules import (
     BENIGN_STREAM_SUFFIXES,
     IDENTITY_ATTRS,
@@ -56,6 +57,7 @@ class Context:
         reference_names: set[str],
         task_modules: set[str],
         allowed_dtypes: set[str],
+        declared_sources: frozenset[str] = frozenset(),
     ) -> None:
         self.tree = tree
         self.filename = filename
@@ -73,6 +75,8 @@ class Context:
         self.classes: list[tuple[str, list[str]]] = []
         self.kernel_evidence = False
         self._collect_bindings()
+        # The declared sources this file may read, and which of them a path names.
+        self.sources = SourcePaths(tree, self.chain, declared_sources)
 
     def report(self, rule: Rule, node: ast.AST | int | None, **fields: object) -> None:
         """Record `rule` at `node` (or a line number), its message filled from `fields`."""

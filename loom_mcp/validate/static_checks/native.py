@@ -35,9 +35,13 @@ def check_string(ctx: Context, node: ast.Constant) -> None:
 
 
 def _check_native_source(ctx: Context, node: ast.Constant, text: str) -> None:
+    check_native_text(ctx, text, node.lineno)
+
+
+def check_native_text(ctx: Context, text: str, start: int) -> None:
+    """C++/CUDA/HIP source that starts at line `start`: an inline string, or a declared file."""
     if "__global__" in text:
         ctx.kernel_evidence = True
-    start = node.lineno
     for pattern, rule in NATIVE_PATTERNS:
         for m in pattern.finditer(text):
             ctx.report(rule, start + text.count("\n", 0, m.start()), token=m.group(0))

@@ -65,6 +65,9 @@ def _check_attribute_store(ctx: Context, target: ast.Attribute, value: ast.AST |
     if base and root(base) in GUARDED_ROOTS:
         ctx.report(GUARDED_STORE, target, verb=verb, target=src(target), root=root(base))
         return
+    if target.attr == "__file__":  # where a module's declared sources are read from (declared.py)
+        ctx.report(MODULE_NAMESPACE_STORE, target, verb=verb, target=src(target))
+        return
     root_is_self = isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")
     if target.attr in SENSITIVE_ATTRS and not root_is_self:
         ctx.report(SENSITIVE_STORE, target, verb=verb, target=src(target))
@@ -99,6 +102,8 @@ def _check_setattr(ctx: Context, node: ast.Call, how: str) -> None:
     how = how.removeprefix("builtins.")
     if base and root(base) in GUARDED_ROOTS:
         ctx.report(GUARDED_SETATTR, node, how=how, base=base, root=root(base))
+    elif literal == "__file__":
+        ctx.report(MODULE_NAMESPACE_STORE, node, verb=f"Calls {how} on", target=f"{src(obj_node)}.__file__")
     elif literal in SENSITIVE_ATTRS or literal in SUBCLASS_HOOKS:
         ctx.report(SENSITIVE_SETATTR, node, how=how, attr=literal)
 

@@ -50,6 +50,7 @@ TENSOR_BASES: frozenset[str]
 IO_CALLS: frozenset[str]
 IO_WARNING_CALLS: frozenset[str]
 PATH_IO_METHODS: frozenset[str]
+SOURCE_READS: frozenset[str]
 DYNAMIC_CALLS: frozenset[str]
 IDENTITY_METHODS: frozenset[str]
 NON_COMPUTE_TORCH: frozenset[str]
@@ -120,6 +121,8 @@ IO_IMPORT: Rule
 IO_CALL: Rule
 IO_WARNING_CALL: Rule
 PATH_IO: Rule
+OPEN_CALL: Rule
+SOURCE_WRITE: Rule
 TOFILE: Rule
 IO_PATH: Rule
 DYNAMIC_IMPORT: Rule
