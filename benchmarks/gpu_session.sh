@@ -25,12 +25,11 @@
 #               ($TIMELINE_SHAPES, default 14336x4096,4096x14336,4096x4096)
 #   stream      the streaming floors of that kernel's producer/consumer structure (no arithmetic)
 #   attention   the model's decode attention, variants against RoPE + SDPA
-#   kernels     the roofline table of every kernel task
 #   loop        every kernel task (or $LOOP_TASKS, comma-separated) through submit_candidate over MCP
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
 #   pack        (also done after the last phase) the device returns at most 8 files from $OUT:
 #               more are packed into $OUT/session.tgz (tar xzf it where they land)
-# Several phases in one call: bash benchmarks/gpu_session.sh verify turnaround kernels
+# Several phases in one call: bash benchmarks/gpu_session.sh verify turnaround loop
 set -uo pipefail
 
 pack() {
@@ -76,9 +75,6 @@ case "$phase" in
     OUT="$out" timeout 300 python3 kernels/tools/stream_floor_cuda.py 2>&1 | grep -v Warn | tail -40 ;;
   attention)
     timeout 200 python3 kernels/tools/probe_decode_attention.py --out "$out" 2>&1 | grep -v Warn | cut -c1-600 ;;
-  kernels)
-    timeout 260 python3 kernels/tools/bench_kernels.py --out "$out" > "$out/bench_kernels.log" 2>&1
-    tail -40 "$out/bench_kernels.log" ;;
   loop)
     timeout 570 python3 benchmarks/kernels_campaign.py --out "$out" --home /tmp/loom-kc ${LOOP_TASKS:+--tasks $LOOP_TASKS} 2>&1 \
       | grep -v "pairs,\|running [0-9]" | tail -60 ;;

@@ -40,10 +40,148 @@ CHEATS = {
 }
 
 
+# The shortest cheats live here rather than as files beside the others; each test's workspace
+# gets them written into its copy of tests/redteam.
+SHORT_CHEATS = {
+    "cheat_subclass_reference.py": '''\
+"""Exploit class: subclassing the reference with nothing changed."""
+
+from task_rmsnorm import Model
+
+
+class ModelNew(Model):
+    pass
+''',
+    "cheat_constant_output.py": '''\
+"""Exploit class: a constant output. 1/cols everywhere is the mean of every softmax row (rows even
+sum to one), and within atol of every probability when the row is wide."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(x, 1.0 / x.shape[-1])
+''',
+    "cheat_scaled_copy.py": '''\
+"""Exploit class: a tiny-scale copy. The right softmax, times 1e-3: the shape of the answer at a
+scale the absolute tolerance cannot see."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(torch.tanh(x), dim=-1) * 1e-3
+''',
+    "cheat_partial_work.py": '''\
+"""Exploit class: partial work. Estimates the mean square from a quarter of each row."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        sample = x[:, ::4]
+        return x * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+''',
+    "cheat_precision_downgrade.py": '''\
+"""Exploit class: precision downgrade. Computes in bfloat16 and casts back to float32."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        xb, wb = x.to(torch.bfloat16), self.weight.to(torch.bfloat16)
+        return (xb * torch.rsqrt(xb.pow(2).mean(-1, keepdim=True) + 1e-6) * wb).to(torch.float32)
+''',
+    "cheat_stale_output.py": '''\
+"""Exploit class: stale / uninitialised output. Returns torch.empty_like and hopes the allocator
+hands back memory that still holds a reference result."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.empty_like(x)
+''',
+    "cheat_torch_patch.py": '''\
+"""Exploit class: torch monkeypatching. Makes every closeness check agree."""
+
+import torch
+
+torch.allclose = lambda *args, **kwargs: True
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+
+    def forward(self, x):
+        return x.clone()
+''',
+    "cheat_input_mutation.py": '''\
+"""Exploit class: input mutation. Computes the answer, then scribbles over its input."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+        x.zero_()
+        return out
+''',
+    "cheat_nan_output.py": '''\
+"""Exploit class: NaN output. Skips rows it finds awkward and leaves NaN there."""
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+        out[x.abs().amax(-1) > 2.5] = float("nan")
+        return out
+''',
+}
+
+
+def copy_redteam(root: Path) -> Path:
+    """tests/redteam, with the short cheats above, as a fresh directory under `root`."""
+    target = root / "redteam"
+    shutil.copytree(REDTEAM, target)
+    for name, source in SHORT_CHEATS.items():
+        (target / name).write_text(source)
+    return target
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("redteam")
-    shutil.copytree(REDTEAM, root / "redteam")
+    copy_redteam(root)
     # These tests look at what the candidate does while timed, not at the CI: two blocks of
     # fresh arm processes each (the fewest allowed) keep every CPU benchmark short.
     (root / "home").mkdir()
@@ -242,7 +380,7 @@ HONEST = ["honest_softmax_wide.py", "honest_softmax_wide_fused.py"]
 @pytest.fixture(scope="module")
 def degenerate_workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("degenerate")
-    shutil.copytree(REDTEAM, root / "redteam")
+    copy_redteam(root)
     return root
 
 
