@@ -46,7 +46,7 @@ from kernels.rope.rope import rope_inv_freq
 from kernels.silu_mul.silu_mul import gdc_launch_dependents, gdc_wait, pdl_launch, round_to
 
 # Cache positions per program: 128 was faster on the H200 but spills registers at 4 and 8 warps
-# for sm_90, which tests/test_kernels_compile.py refuses (docs/kernels/decode_attention.md).
+# for sm_90, which tests/test_kernels_compile.py refuses (figures: this directory's README.md).
 CHUNK = 64
 LOG2_E = 1.4426950408889634
 # Read once, as @triton.jit does: whether the kernels below are interpreted (see `dot`).
