@@ -9,6 +9,10 @@ format module's and the GEMV baseline's) must reproduce it to the bit.
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -264,11 +268,11 @@ def test_torch_dequantizers_match_gguf_bit_for_bit(signed):
     packed = fmt.random_q4_k(64, 1024, signed=signed, generator=torch.Generator().manual_seed(8))
     reference = gguf_dequantize(packed)
     baseline = load(KERNELS / "q4k_gemv" / "baseline.py")
-    candidate = load(KERNELS / "q4k_gemv" / "candidate.py")
+    gemv = load(KERNELS / "q4k_gemv" / "q4k_gemv.py")
     for dequantize_q4_k in (
         fmt.dequantize_q4_k,
         baseline.dequantize_q4_k,
-        candidate._dequantize_q4_k,
+        gemv._dequantize_q4_k,
     ):
         assert same_bits(dequantize_q4_k(packed).numpy(), reference)
 
@@ -280,3 +284,100 @@ def test_torch_dequantizer_matches_gguf_on_arbitrary_bytes():
         0, 256, (32, 4 * 144), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
     )
     assert same_bits(fmt.dequantize_q4_k(packed).numpy(), gguf_dequantize(packed))
+
+
+# ---------------------------------------------------------------- GEMV variants
+# The Q4_K GEMV's alternative tilings and its TF32 tensor-core variant: correct under Triton's
+# interpreter (each kernel module's own self-check) and lowered to Hopper wgmma without spills.
+# Which one is fastest is for `kernels/tools/sweep_q4k.py` on a GPU; these tests keep every
+# variant the sweep can pick honest here.
+
+# These tests need triton (the rest of this file does not): skipped one by one where it is missing.
+try:
+    import triton
+except ImportError:
+    triton = None
+requires_triton = pytest.mark.skipif(triton is None, reason="could not import 'triton'")
+
+
+@requires_triton
+@pytest.mark.parametrize("task", ["q4k_gemv", "q4k_gemm"])
+@pytest.mark.slow
+def test_kernel_self_check_under_the_interpreter(task):
+    """The module's __main__ compares every configuration it lists with a float64 product."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, str(KERNELS / task / f"{task}.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "(triton path on cpu): ok" in run.stdout
+
+
+@requires_triton
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION:UserWarning")
+def test_tensor_core_variant_lowers_to_wgmma_without_spills(tmp_path):
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no nvidia backend")
+    spec = importlib.util.spec_from_file_location(
+        "q4k_gemv_variants", KERNELS / "q4k_gemv" / "q4k_gemv_triton.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "batch": "i32",
+        "n_rows": "i32",
+        "n_blocks": "i32",
+        "w_row_words": "i32",
+        "x_row_stride": "i32",
+        "out_row_stride": "i32",
+        "BLOCK_N": "constexpr",
+        "BLOCK_KB": "constexpr",
+        "BLOCK_B": "constexpr",
+    }
+    names = list(signature)
+    aligned = [
+        "x_ptr",
+        "w_ptr",
+        "out_ptr",
+        "n_rows",
+        "n_blocks",
+        "w_row_words",
+        "x_row_stride",
+        "out_row_stride",
+    ]
+    source = ASTSource(
+        fn=module.q4k_gemv_mma_kernel,
+        signature=signature,
+        constexprs={"BLOCK_N": 64, "BLOCK_KB": 4, "BLOCK_B": 16},
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and ".tf32" in ptx  # the tensor cores do the products
+    (tmp_path / "k.ptx").write_text(ptx)
+    log = subprocess.run(
+        [
+            triton.knobs.nvidia.ptxas_blackwell.path,
+            "-arch=sm_90a",
+            "-v",
+            str(tmp_path / "k.ptx"),
+            "-o",
+            str(tmp_path / "k.cubin"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    assert spills == 0, log

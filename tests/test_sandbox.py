@@ -18,6 +18,9 @@ from pathlib import Path
 import anyio
 import pytest
 
+from loom_mcp.judge import first_visible
+from loom_mcp.models import DeviceInfo
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import (
     JobSpec,
     isolation,
@@ -754,3 +757,43 @@ async def test_a_root_that_cannot_be_built_fails_the_job_instead_of_showing_the_
     assert result.returncode == launcher.SETUP_FAILED, (result.returncode, result.stdout_tail)
     assert "ran" not in result.stdout_tail
     assert "symlink appeared" in result.stderr_tail
+
+
+# ---------------------------------------------------------------- job placement
+# Job placement: a GPU job sees exactly its GPU; a CPU job sees none and interprets Triton.
+
+
+def test_gpu_job_is_pinned_to_its_physical_index():
+    assert job_placement("cuda:3") == ("cuda", {}, [3])
+
+
+def test_cpu_job_hides_gpus_and_interprets_triton():
+    assert job_placement("cpu") == ("cpu", {"TRITON_INTERPRET": "1"}, [])
+
+
+def test_unknown_device_strings_pass_through_unpinned():
+    assert job_placement("auto") == ("auto", {}, None)
+
+
+# ---- the judge's target GPU
+# Which GPU the judge times: the one the workers' torch will call cuda:0.
+
+GPUS = [DeviceInfo(index=i, vendor="nvidia", name="NVIDIA H200", uuid=f"GPU-{i}0a1b") for i in range(3)]
+
+
+def test_visible_devices_index_and_uuid(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert first_visible(GPUS).index == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-10a")
+    assert first_visible(GPUS).index == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
+    assert first_visible(GPUS).index == 1
+
+
+def test_default_is_the_first_gpu(monkeypatch):
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    assert first_visible(GPUS).index == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # not present: fall back, never crash
+    assert first_visible(GPUS).index == 0
