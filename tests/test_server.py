@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,53 @@ def test_allowed_roots_check(tmp_path):
         config.check_allowed(tmp_path / "okay-not", "repo")
     with pytest.raises(LoomError, match=r"\[NOT_ALLOWED\]"):
         config.check_allowed(tmp_path / "ok" / ".." / "elsewhere", "repo")
+
+
+# ---- The layers docs/architecture.md names: every module placed, and imports only point down.
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    table = text.split("| layer | modules | job |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|") for line in table.splitlines()[2:] if line.startswith("|")]
+    return [(row[1].strip(), [m.strip("/").replace("/", ".") for m in re.findall(r"`([^`]+)`", row[2])])
+            for row in rows]
+
+
+def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The layer of the longest listed prefix of `module` (`sandbox.policy` before `sandbox`)."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_module_sits_in_a_layer_and_imports_only_point_down():
+    layers = _layers()
+    assert [name for name, _ in layers][0] == "contracts" and len(layers) >= 8
+    package = Path(__file__).resolve().parents[1] / "loom_mcp"
+    unplaced, upward = [], []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        module = ".".join(p for p in parts if p != "__init__")
+        if not module or parts[0] == "demo_data":
+            continue
+        layer = _layer_of(module, layers)
+        if layer is None:
+            unplaced.append(module)
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loom_mcp."):
+                targets = [node.module.removeprefix("loom_mcp.")]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.removeprefix("loom_mcp.") for a in node.names if a.name.startswith("loom_mcp.")]
+            else:
+                continue
+            for target in targets:
+                target_layer = _layer_of(target, layers)
+                if target_layer is not None and target_layer > layer:
+                    upward.append(f"{module} ({layers[layer][0]}) imports {target} ({layers[target_layer][0]})")
+    assert unplaced == [], f"modules docs/architecture.md's layer table does not place: {unplaced}"
+    assert upward == []

@@ -19,22 +19,42 @@ from pathlib import Path, PurePosixPath
 
 from loom_mcp.errors import ErrorCode, LoomError
 from loom_mcp.sandbox import safefs
-from loom_mcp.validate.static_checks.declared import (
-    NATIVE_SUFFIXES,
-    SOURCES_NAME,
-    literal_sources,
-    sources_statement,
-)
 
 MAX_SOURCES = 64
+SOURCES_NAME = "SOURCES"
+# What a candidate may declare besides Python: source text for compilers, which the static
+# checks scan as they scan inline native sources.
+NATIVE_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".c", ".cc", ".cpp", ".hip", ".inc"})
 # Source text only: Python the static checks read, and what compilers read. Bytecode and
 # binaries (.pyc, .so) would run code nothing checked, under names that hide where it came from.
 SOURCE_SUFFIXES = NATIVE_SUFFIXES | {".py"}
 MAX_NAME_BYTES = 255
 
 
+def sources_statement(tree: ast.Module) -> ast.Assign | ast.AnnAssign | None:
+    """The first module-level statement that binds SOURCES, if any."""
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SOURCES_NAME for t in stmt.targets):
+            return stmt
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == SOURCES_NAME:
+            return stmt
+    return None
+
+
+def literal_sources(stmt: ast.Assign | ast.AnnAssign) -> list[str] | None:
+    """The statement's value when it is a literal list or tuple of strings, else None."""
+    try:
+        value = ast.literal_eval(stmt.value) if stmt.value is not None else None
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
+
+
 def _declared_names(code: Path) -> list[str]:
-    """SOURCES as the static checks read it (one parse for both: they never disagree)."""
+    """SOURCES as the static checks read it too (validate/static_checks/declared.py uses the
+    two functions above: they never disagree)."""
     if code.suffix != ".py":
         return []
     try:

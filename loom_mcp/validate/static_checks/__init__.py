@@ -80,9 +80,10 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from loom_mcp.judge_models import Finding
+from loom_mcp.sandbox.sources import NATIVE_SUFFIXES
 from loom_mcp.validate.static_checks.analyzer import Analyzer
 from loom_mcp.validate.static_checks.context import Context, make_finding
-from loom_mcp.validate.static_checks.declared import NATIVE_SUFFIXES, declared_names, normalised
+from loom_mcp.validate.static_checks.declared import declared_names, normalised
 from loom_mcp.validate.static_checks.native import check_native_text
 from loom_mcp.validate.static_checks.rules import (
     CHECKS,

@@ -1,8 +1,8 @@
 """The sibling sources a file declares (`SOURCES = [...]`), and the paths that name one of them.
 
-The sandbox reads SOURCES with `sources_statement` and `literal_sources` (it checks, hashes and
-copies those files); these checks read it the same way, so the two never disagree on what a
-candidate declared.
+The sandbox reads SOURCES with `sandbox.sources.sources_statement` and `literal_sources` (it
+checks, hashes and copies those files); these checks read it with the same functions, so the two
+never disagree on what a candidate declared.
 
 Code may read a declared source (escape.py). A path names one only when it is spelled from
 `__file__` and string literals, which `SourcePaths` resolves without running anything:
@@ -26,10 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import PurePosixPath
 
-SOURCES_NAME = "SOURCES"
-# What a candidate may declare besides Python: source text for compilers, which the static
-# checks scan as they scan inline native sources.
-NATIVE_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".c", ".cc", ".cpp", ".hip", ".inc"})
+from loom_mcp.sandbox.sources import literal_sources, sources_statement
 
 # A resolved path: SELF (the file itself) or the parts of a path below the file's directory,
 # () being that directory.
@@ -37,27 +34,6 @@ SELF = ("<__file__>",)
 _MAX_DEPTH = 16  # names that refer to names: no honest chain is near this long
 _IDENTITY_METHODS = frozenset({"resolve", "absolute"})
 _IDENTITY_CALLS = frozenset({"builtins.str", "os.fspath", "os.path.abspath", "os.path.realpath"})
-
-
-def sources_statement(tree: ast.Module) -> ast.Assign | ast.AnnAssign | None:
-    """The first module-level statement that binds SOURCES, if any."""
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == SOURCES_NAME for t in stmt.targets):
-            return stmt
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == SOURCES_NAME:
-            return stmt
-    return None
-
-
-def literal_sources(stmt: ast.Assign | ast.AnnAssign) -> list[str] | None:
-    """The statement's value when it is a literal list or tuple of strings, else None."""
-    try:
-        value = ast.literal_eval(stmt.value) if stmt.value is not None else None
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return None
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    return None
 
 
 def relative_parts(text: str) -> tuple[str, ...] | None:
