@@ -61,6 +61,9 @@ def test_reading_a_declared_source_is_allowed(body: str):
         ('MODE = "r"\nopen(Path(__file__).with_name("gemv.cu"), MODE).close()\n', "only reads its sources"),
         ('Path(__file__).with_name("gemv.cu").open("ab").close()\n', "only reads its sources"),
         ('open(Path(__file__).with_name("gemv.cu"), opener=os.open).close()\n', "opens no files"),
+        # the opener by position; a swapped-in writer called as a reader
+        ('open(Path(__file__).with_name("gemv.cu"), "r", -1, None, None, None, True, os.open)\n', "opens no files"),
+        ('Path(__file__).with_name("gemv.cu").read_text("payload")\n', "only reads its sources"),
         # the unbound method, and any receiver at all
         ('import pathlib\nREAD = pathlib.Path.read_text\nSRC = READ(Path("/etc/passwd"))\n', "no files"),
         ("def f(p):\n    return p.read_bytes()\n", "touches no files"),
@@ -120,3 +123,21 @@ def test_the_sandbox_reads_sources_as_the_checks_do(tmp_path):
     cand.write_text("SOURCES = [NAME]\n")
     with pytest.raises(LoomError, match="literal list"):
         declared_sources(cand)
+
+
+@pytest.mark.parametrize(
+    "body,check",
+    [
+        # a declared source's text run as code: what the checks read of the candidate is not all it runs
+        ('import timeit\ntimeit.timeit(Path(__file__).with_name("gemv.cu").read_text(), number=1)\n',
+         "static.dynamic_code"),
+        ('import cProfile\ncProfile.run(Path(__file__).with_name("gemv.cu").read_text())\n', "static.dynamic_code"),
+        # module-level locals() is the module's namespace: a checked name rebound through it
+        ('K = Path(__file__).with_name("gemv.cu")\nlocals()["K"] = Path("/etc/passwd")\nS = K.read_text()\n',
+         "static.grader_introspection"),
+    ],
+)
+def test_running_or_rebinding_what_was_read_is_an_error(body: str, check: str):
+    found = check_candidate_source(HEAD + body, "cand.py")
+    assert any(f.check == check and f.severity == "error" for f in found), [f.check for f in found]
+

@@ -60,13 +60,16 @@ def _check_path_method(ctx: Context, node: ast.Call, func: ast.Attribute) -> Non
         _check_mode(ctx, node, source, _argument(node, 0, "mode"), ".open()")
     elif func.attr not in SOURCE_READS:
         ctx.report(SOURCE_WRITE, node, what=f".{func.attr}()", source=source)
+    elif node.args:  # read_text()/read_bytes() take no positional argument: a swapped-in writer would
+        ctx.report(SOURCE_WRITE, node, what=f".{func.attr}(...) with a positional argument", source=source)
 
 
 def _check_open(ctx: Context, node: ast.Call) -> None:
     """open(path, mode): a read of a declared source, or an error."""
     path = _argument(node, 0, "file")
     source = ctx.sources.source(path) if path is not None else None
-    if source is None or any(k.arg == "opener" for k in node.keywords):
+    # open()'s eighth positional argument is the opener, which may hand back any descriptor.
+    if source is None or len(node.args) > 7 or any(k.arg == "opener" for k in node.keywords):
         ctx.report(OPEN_CALL, node, path=src(path) if path is not None else "a computed path")
     else:
         _check_mode(ctx, node, source, _argument(node, 1, "mode"), "open()")
