@@ -132,9 +132,9 @@ async def check_one(services, task: Path, candidate: Path, task_globals: dict, t
     started = time.monotonic()
     try:
         with anyio.fail_after(timeout_s):
+            call = judge.JudgeCall(task=str(task), candidate=str(candidate), task_globals=task_globals)
             validation, evidence, _ = await judge.run_validation(
-                config, services.ledger, services.artifacts, task=str(task), candidate=str(candidate),
-                seeds=None, shapes=None, campaign_id=None, progress=None, task_globals=task_globals)
+                config, services.ledger, services.artifacts, call)
             row["validation_s"] = round(time.monotonic() - started, 2)
             row["validated"] = validation.passed
             row["validation_findings"] = sorted({f.check for f in validation.findings
@@ -143,9 +143,7 @@ async def check_one(services, task: Path, candidate: Path, task_globals: dict, t
             bench_evidence = None
             if validation.passed:
                 _, bench_evidence, _, _ = await judge.run_benchmark(
-                    config, services.ledger, services.artifacts, task=str(task),
-                    candidate=str(candidate), baseline=None, shapes=None, campaign_id=None,
-                    progress=None, task_globals=task_globals)
+                    config, services.ledger, services.artifacts, call)
             verdict = decide(CompileEvidence(ok=True), evidence, bench_evidence, config.gate)
         # The sentences too: a code alone does not say which check fired.
         row.update(verdict=verdict.verdict, reason_codes=list(verdict.reason_codes),

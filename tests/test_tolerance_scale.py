@@ -166,7 +166,7 @@ def test_the_workers_verdict_and_a_tasks_own_check(tmp_path, monkeypatch, with_c
     def zeros(cases_dir):
         from loom_mcp.worker import handoff
 
-        cases = handoff.read_bundle(cases_dir)
+        cases = handoff.read_cases(cases_dir, wait_s=60)
         return [[torch.zeros_like(case["inputs"][0])] for case in cases]
 
     result = _validate_as_the_candidate(tmp_path, monkeypatch, request, zeros)

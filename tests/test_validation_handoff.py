@@ -19,7 +19,7 @@ from mcp import Client
 from loom_mcp.config import load_config
 from loom_mcp.server import build_server
 from loom_mcp.worker import handoff, reference
-from loom_mcp.worker.harness import load_module
+from loom_mcp.worker.harness import load_module, wait_for_go
 from loom_mcp.worker.protocol import publish_go
 
 # ---------------------------------------------------------------- the bundle format
@@ -155,6 +155,33 @@ async def test_a_job_too_big_for_the_memory_limit_is_refused_before_it_runs(tmp_
     assert "1 GiB of inputs" in text and "3 GiB" in text and "task_globals" in text, text
     assert "reference failed" not in text
     assert time.monotonic() - began < 120
+
+
+def test_inputs_on_disk_are_every_case_within_the_window_else_the_two_biggest() -> None:
+    from loom_mcp.worker.fits import inputs_on_disk
+
+    assert inputs_on_disk([1, 2, 3], window_bytes=10) == 6
+    assert inputs_on_disk([8, 8, 8, 8, 8], window_bytes=4) == 16
+    assert inputs_on_disk([1, 1, 1, 1, 1], window_bytes=3) == 3  # a window's worth, not just two
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_cases_whose_inputs_together_pass_the_disk_quota_still_validate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five cases of 4 MiB inputs against a 12 MiB job disk quota: written two at a time (each
+    deleted once the candidate is done with it), they validate; all at once they could not."""
+    from loom_mcp.validate import runner
+
+    monkeypatch.setattr(runner, "INPUT_WINDOW_BYTES", 1)
+    reduce_task = SMALL_TASK.replace("return x * 2", "return x.sum(-1)")
+    (tmp_path / "task.py").write_text(reduce_task)
+    (tmp_path / "cand.py").write_text(HONEST.replace("return x + x", "return x.sum(-1)"))
+    server = _server(tmp_path, job_disk_bytes=12 << 20)
+    result = await _validate(server, tmp_path / "task.py", tmp_path / "cand.py", seeds=5)
+    assert result.is_error is False, result.content
+    report = result.structured_content
+    assert report["passed"] is True and report["cases_total"] == 5, report
 
 
 @pytest.mark.slow
@@ -323,7 +350,7 @@ def _outputs(cases_dir: Path, corrupt_index: int | None) -> list[list[torch.Tens
     """What an honest candidate returns (the task's own Model), one case made wrong."""
     task = load_module(TASK, "rmsnorm_task_for_test")
     outputs = []
-    for index, case in enumerate(handoff.read_bundle(cases_dir)):
+    for index, case in enumerate(handoff.read_cases(cases_dir, wait_s=60)):
         model = task.Model(*case["init_inputs"])
         model.load_state_dict(case["state_dict"])
         with torch.no_grad():
@@ -351,7 +378,7 @@ def _validate_as_the_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         time.sleep(0.01)
     assert cand_go.exists(), "the worker never signalled that the inputs are written"
     assert not ref_go.exists()
-    handoff.write_bundle(outputs_dir, candidate(cases_dir))
+    handoff.write_cases(outputs_dir, candidate(cases_dir))
     publish_go(str(ref_go), {}, TOKEN)
     worker.join(120)
     return box["result"]
@@ -407,6 +434,56 @@ def test_running_out_of_memory_ahead_of_the_candidate_is_not_a_reference_failure
         tmp_path, monkeypatch,
         {"task": str(task), "seeds": 2, "shapes": None, "device": "cpu",
          "tolerances": {"float32": {"atol": 1e-4, "rtol": 1e-4}}, "ahead_host_bytes": 1 << 30},
-        lambda cases_dir: [[case["inputs"][0] * 2] for case in handoff.read_bundle(cases_dir)])
+        lambda cases_dir: [[case["inputs"][0] * 2] for case in handoff.read_cases(cases_dir, wait_s=60)])
     assert [case["error"] for case in result["cases"]] == [None, None]
     assert all(o["passed"] for case in result["cases"] for o in case["outputs"])
+
+
+def test_cases_stream_to_the_candidate_within_a_window_and_finished_ones_are_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the inputs window the reference writes a case only once the candidate has finished
+    an earlier one, and deletes that one's files: a problem whose cases do not fit the disk
+    together still validates, with the same verdicts."""
+    monkeypatch.setenv("LOOM_NONCE", "99")
+    request = {"task": TASK, "seeds": 3, "shapes": SHAPES, "device": "cpu",
+               "input_window_bytes": 1,  # every case is past the window
+               "tolerances": {"bfloat16": {"atol": 1e-2, "rtol": 1e-2},
+                              "float32": {"atol": 1e-4, "rtol": 1e-4}}}
+    task = load_module(TASK, "rmsnorm_task_for_stream_test")
+    seen_on_disk: list[list[str]] = []
+
+    def candidate_one_at_a_time(cases_dir: Path, outputs_dir: Path) -> None:
+        count = handoff.read_count(cases_dir, wait_s=60)
+        for index in range(count):
+            case = handoff.read_case(cases_dir, index, wait_s=60)
+            seen_on_disk.append(sorted(p.name for p in cases_dir.iterdir() if p.is_dir()))
+            model = task.Model(*case["init_inputs"])
+            model.load_state_dict(case["state_dict"])
+            with torch.no_grad():
+                out = model(*case["inputs"])
+            handoff.write_case(outputs_dir, index, [out * (1.5 if index == 4 else 1)])
+        handoff.write_count(outputs_dir, count)
+
+    monkeypatch.setenv("LOOM_GO_SIGNER", TOKEN)
+    cases_dir, outputs_dir = tmp_path / "cases", tmp_path / "outputs"
+    cand_go, ref_go = tmp_path / "cand.go", tmp_path / "ref.go"
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(result=reference.validate({
+        **request, "cases_dir": str(cases_dir), "outputs_dir": str(outputs_dir),
+        "cand_go_file": str(cand_go), "go_file": str(ref_go)})))
+    worker.start()
+    go = wait_for_go(cand_go, timeout_s=60)  # signed by the reference, naming the case count
+    assert go == {"cases": 6}
+    candidate_one_at_a_time(cases_dir, outputs_dir)
+    publish_go(str(ref_go), {}, TOKEN)
+    worker.join(120)
+    result = box["result"]
+    assert len(seen_on_disk) == 6
+    # Never more than the window's two cases on disk (the one just finished is deleted when the
+    # reference next needs room), so the first cases are gone by the last.
+    for index, names in enumerate(seen_on_disk):
+        assert len(names) <= 2, seen_on_disk
+        assert all(int(n[1:]) >= index - 1 for n in names), seen_on_disk
+    assert "c0" not in seen_on_disk[-1] and "c1" not in seen_on_disk[-1]
+    passed = [all(o["passed"] for o in case["outputs"]) for case in result["cases"]]
+    assert passed == [True, True, True, True, False, True]

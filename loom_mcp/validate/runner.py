@@ -1,7 +1,8 @@
 """run_validation: two sandboxed processes, then a verdict on correctness built in the server.
 
 1. `reference` (trusted task code, a warm worker when one is idle): plans shape x seed x
-   input-kind cases from a secret nonce, writes the inputs and signals the candidate to start;
+   input-kind cases from a secret nonce, writes the first case's inputs and signals the
+   candidate to start, then the rest one at a time (a finished case's files are deleted);
    then computes the reference (native and float64) while the candidate runs, and compares once
    the server signals that the candidate's process has exited.
 2. `candidate` (untrusted): a fresh process, started at once so its imports overlap the inputs
@@ -54,6 +55,8 @@ def worker_argv(module: str) -> list[str]:
 # The per-file limit of validation's jobs. Tensors travel in files of at most this size
 # (loom_mcp.worker.handoff splits larger ones), so it bounds no problem's size.
 JOB_FILE_BYTES = JobSpec.model_fields["max_file_bytes"].default
+# Inputs on disk at once, past two cases (loom_mcp.worker.fits).
+INPUT_WINDOW_BYTES = 4 << 30
 TRUSTED_DEPTH = warm.MAX_IDLE  # idle trusted workers kept on a GPU host
 SMALLER_PROBLEM = (
     "Validate a smaller problem: fewer shapes (shapes=[...]) or smaller sizes through "
@@ -182,6 +185,7 @@ async def validate_candidate(
         "memory_limit_bytes": reference.memory_bytes,
         "candidate_memory_limit_bytes": cand_memory,
         "disk_limit_bytes": policy.current().disk_bytes,
+        "input_window_bytes": INPUT_WINDOW_BYTES,
     }
     cand_dir = [job_dir / "cand"]  # the candidate's own directory, once it has one
 
@@ -278,7 +282,7 @@ async def validate_candidate(
         if (
             cand_result is None
             or cand_result.get("load_error")
-            or not safefs.is_file(cand_dir[0], "outputs/manifest.json")
+            or not safefs.is_file(cand_dir[0], "outputs/cases.json")
         ):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
@@ -324,13 +328,25 @@ async def validate_candidate(
         # The candidate shares the GPU with the reference's process: a problem this big does not
         # tell us anything about the candidate, and an honest copy of the reference fails alike.
         first = next(e for e in errors if e).splitlines()[0]
+        held = _memory_note(cand_result["cases"])
         raise LoomError(
             ErrorCode.RESOURCE_LIMIT,
             "the GPU ran out of memory while the candidate "
-            f"ran its cases beside the reference ({first[:300]}). {SMALLER_PROBLEM}",
+            f"ran its cases beside the reference ({first[:300]}){held}. {SMALLER_PROBLEM}",
         )
     passed = bool(cases) and all(c.passed for c in cases) and not any(f.severity == "error" for f in findings)
     return ValidationEvidence(validation_id=validation_id, passed=passed, cases=cases, findings=findings)
+
+
+def _memory_note(runs: list) -> str:
+    """What the candidate's process held on the device per case (its own advisory report)."""
+    parts = []
+    for i, run in enumerate(runs):
+        if isinstance(run, dict) and isinstance(run.get("held_bytes"), int) and isinstance(run.get("peak_bytes"), int):
+            parts.append(
+                f"case {i}: {run['held_bytes'] / 2**30:.1f} GiB held before, peak {run['peak_bytes'] / 2**30:.1f}"
+            )
+    return f"; the candidate's process reported {', '.join(parts[:6])} GiB" if parts else ""
 
 
 class StepJobs:

@@ -1,7 +1,8 @@
 """Worker: run an untrusted candidate on prepared inputs and save what it returns.
 
-Runs in its own sandboxed process, before any reference exists anywhere: the task module is
-never imported here, and the reference outputs are computed only after this process is gone.
+Runs in its own sandboxed process, started before any reference exists anywhere: the task
+module is never imported here. Cases come one at a time (loom_mcp.worker.handoff's case files):
+each is read when the reference has written it, and its outputs are published as soon as it ran.
 Everything this process reports about itself is advisory; the verdict rests on the outputs it
 saved, which the trusted compare step checks.
 
@@ -15,6 +16,7 @@ Request: {"candidate": path, "cases_dir": path, "outputs_dir": path, "device": "
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from typing import Any
@@ -26,6 +28,7 @@ from loom_mcp.worker import handoff, harness, protocol, under_test
 from loom_mcp.worker.harness import (
     as_output_list,
     build_model,
+    input_bytes,
     pick_device,
     synchronize,
     to_device,
@@ -33,6 +36,11 @@ from loom_mcp.worker.harness import (
     wait_for_go,
 )
 from loom_mcp.worker.protocol import exit_now, mark, read_request, send_result
+
+# The reference writes case i+1 while this runs case i; past this, something is wrong and the
+# job's own timeout would only say so later.
+CASE_WAIT_S = 600.0
+BIG_CASE_BYTES = 256 << 20
 
 
 def _poison_uninitialized_memory() -> None:
@@ -48,6 +56,17 @@ def _poison_uninitialized_memory() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     # A property of the module's own class (torch swaps it in), which the stubs do not show.
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+
+
+def _memory_in_use(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -173,22 +192,29 @@ def main() -> None:
     except Exception as exc:
         send({"load_error": user_traceback(exc, request["candidate"]), "cases": [], "guard": violations()})
         return
-    if request.get("go_file"):
-        wait_for_go(request["go_file"])  # the inputs are written; until then only imports ran
+    # The inputs' first case is written before the go; the rest follow while this runs.
+    go = wait_for_go(request["go_file"]) if request.get("go_file") else {}
+    count = go.get("cases")
+    if type(count) is not int:
+        count = handoff.read_count(request["cases_dir"])
+    mark("inputs_opened")
     # One case at a time: its inputs are read (a single file is mapped, not copied) just before
     # it runs and its outputs written as soon as it returns, so no worker holds every case.
-    cases = handoff.Bundle(request["cases_dir"])
-    mark("inputs_opened")
-    writer = handoff.BundleWriter(request["outputs_dir"])
-    reports, outputs = [], []
-    for raw_case in cases.tree:
-        case = cases.decode(raw_case)
+    reports = []
+    for index in range(count):
+        case = handoff.read_case(request["cases_dir"], index, wait_s=CASE_WAIT_S)
+        held = _memory_in_use(device)
         report, out = run_case(model_cls, case, device, request["candidate"], left_running, threads_before)
+        # Advisory, for a message when the device runs out: what this process held going in.
+        report["held_bytes"], report["peak_bytes"] = held, _peak_memory(device)
         reports.append(report)
-        outputs.append(writer.encode(out))
+        handoff.write_case(request["outputs_dir"], index, out)
+        big = input_bytes(case["inputs"]) >= BIG_CASE_BYTES
         del case, out
+        if big:  # a cycle still holding a big case's tensors must not carry them into the next
+            gc.collect()
     mark("cases_run")
-    writer.close(outputs)
+    handoff.write_count(request["outputs_dir"], count)
     send({"load_error": None, "cases": reports, "device": str(device), "guard": violations()})
 
 

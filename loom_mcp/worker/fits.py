@@ -13,6 +13,19 @@ import torch
 
 from loom_mcp.worker.harness import as_output_list, call_with_shape, input_bytes
 
+# Validation's inputs on disk at once: every case while they fit this, else two cases (the one
+# the candidate runs and the next); a case the candidate has finished is deleted.
+INPUT_WINDOW_BYTES = 4 << 30
+INPUT_WINDOW_CASES = 2
+
+
+def inputs_on_disk(case_bytes: list[int], window_bytes: int = INPUT_WINDOW_BYTES) -> int:
+    """The most bytes of inputs on disk at once, for cases of these sizes written in order."""
+    if sum(case_bytes) <= window_bytes:
+        return sum(case_bytes)
+    biggest = sorted(case_bytes, reverse=True)[:INPUT_WINDOW_CASES]
+    return max(sum(biggest), min(window_bytes, sum(case_bytes)))
+
 
 class ResourceLimit(Exception):
     """The job does not fit this machine or its limits: reported as RESOURCE_LIMIT, with what to
@@ -74,7 +87,8 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
     kept = sum(s["inputs"] for s in sized)
     # One case at a time: its inputs in float64, the native and float64 outputs, then about five
     # float64 temporaries of an output in reference_stats and compare_one.
-    one_ref = max(s["inputs_f64"] + s["outputs"] + 6 * s["outputs_f64"] for s in sized)
+    per_case_ref = [s["inputs_f64"] + s["outputs"] + 6 * s["outputs_f64"] for s in sized]
+    one_ref = max(per_case_ref)
     one_cand = max(2 * s["inputs"] + 3 * s["outputs"] for s in sized)
     biggest = max(per_shape.items(), key=lambda kv: kv[1]["inputs"])
     estimate = {
@@ -82,6 +96,7 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
         "kept_input_bytes": kept,
         "reference_bytes": kept + one_ref,
         "candidate_bytes": one_cand,
+        "case_reference_bytes": per_case_ref,
     }
     what = (
         f"{len(cases)} case(s); shape {biggest[0]!r} has {_gib(biggest[1]['inputs'])} of inputs "
@@ -121,13 +136,17 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
                 f"the candidate needs at least {_gib(one_cand)} of device memory for one "
                 f"case; {_gib(free)} of {device} is free"
             )
-    # Disk: every case's inputs are written for the candidate, every case's outputs by it.
+    # Disk: the inputs of the cases in the window (see INPUT_WINDOW_BYTES), every case's outputs.
     disk_limit = int(request.get("disk_limit_bytes") or 0)
-    written = {"inputs": kept, "outputs": sum(s["outputs"] for s in sized)}
+    window = int(request.get("input_window_bytes") or INPUT_WINDOW_BYTES)
+    written = {
+        "inputs": inputs_on_disk([s["inputs"] for s in sized], window),
+        "outputs": sum(s["outputs"] for s in sized),
+    }
     for which, size in written.items():
         if disk_limit and size > disk_limit:
             limits.append(
-                f"the {which} of all cases take {_gib(size)} on disk, more than a job's "
+                f"the {which} of the cases take {_gib(size)} on disk, more than a job's "
                 f"disk quota of {_gib(disk_limit)} (job_disk_bytes in loom.toml)"
             )
     cases_dir = Path(request.get("cases_dir") or ".")

@@ -23,6 +23,7 @@ import mmap
 import os
 import resource
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +216,71 @@ def read_bundle(directory: str | Path) -> Any:
     """The value a BundleWriter wrote in `directory`, all of it."""
     bundle = Bundle(directory)
     return bundle.decode(bundle.tree)
+
+
+# ---------------------------------------------------------------- cases, one bundle each
+# Validation hands cases over one at a time: case i is the bundle in `c{i}/`, and `cases.json`
+# says how many there are. A reader takes case i as soon as its manifest exists, so the candidate
+# starts on the first case while the rest are still being written, and a writer can delete a case
+# the reader has finished with: a problem's cases never have to fit the disk all at once.
+
+COUNT_FILE = "cases.json"
+
+
+def case_dir(directory: str | Path, index: int) -> Path:
+    return Path(directory) / f"c{index}"
+
+
+def write_case(directory: str | Path, index: int, value: Any) -> None:
+    write_bundle(case_dir(directory, index), value)
+
+
+def write_count(directory: str | Path, count: int) -> None:
+    """Publish how many cases `directory` holds (or will hold): written once, atomically."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tmp = Path(directory) / f"{COUNT_FILE}.tmp"
+    tmp.write_text(json.dumps({"cases": int(count)}), encoding="utf-8")
+    os.rename(tmp, Path(directory) / COUNT_FILE)
+
+
+def case_written(directory: str | Path, index: int) -> bool:
+    return (case_dir(directory, index) / MANIFEST).is_file()
+
+
+def _wait(path: Path, deadline: float) -> None:
+    delay = 0.002
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def read_count(directory: str | Path, wait_s: float = 0.0) -> int:
+    """How many cases `directory` holds, waiting up to `wait_s` for the count to be published."""
+    path = Path(directory) / COUNT_FILE
+    _wait(path, time.monotonic() + wait_s)
+    fd = _open_plain(Path(directory), COUNT_FILE)
+    with open(fd, "rb") as f:
+        body = json.loads(f.read(4096))
+    count = body.get("cases") if isinstance(body, dict) else None
+    if type(count) is not int or count < 0:
+        raise ValueError(f"bad case count in {path}")
+    return count
+
+
+def read_case(directory: str | Path, index: int, wait_s: float = 0.0) -> Any:
+    """Case `index`, waiting up to `wait_s` for its writer to publish it."""
+    _wait(case_dir(directory, index) / MANIFEST, time.monotonic() + wait_s)
+    return read_bundle(case_dir(directory, index))
+
+
+def read_cases(directory: str | Path, wait_s: float = 0.0) -> list[Any]:
+    """Every case, each waited for in turn."""
+    return [read_case(directory, i, wait_s) for i in range(read_count(directory, wait_s))]
+
+
+def write_cases(directory: str | Path, values: list[Any]) -> None:
+    for index, value in enumerate(values):
+        write_case(directory, index, value)
+    write_count(directory, len(values))

@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import shutil
+import time
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from loom_mcp.worker.closeness import REF_ERROR_FACTOR as REF_ERROR_FACTOR  # re
 from loom_mcp.worker.closeness import RTOL_FLOOR as RTOL_FLOOR  # re-exported
 from loom_mcp.worker.closeness import compare_one, degenerate, reference_stats
 from loom_mcp.worker.closeness import scale_rules as scale_rules  # re-exported
-from loom_mcp.worker.fits import ResourceLimit, check_fits
+from loom_mcp.worker.fits import INPUT_WINDOW_BYTES, INPUT_WINDOW_CASES, ResourceLimit, check_fits
 from loom_mcp.worker.fits import case_sizes as case_sizes  # re-exported
 from loom_mcp.worker.harness import (
     INPUT_KINDS,
@@ -192,10 +194,11 @@ def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device:
 
 class _ReferenceStore:
     """Reference outputs computed before the candidate's outputs exist, so the reference runs
-    while the candidate does. Kept on the device while they fit a budget (a tenth of its memory,
-    at most 4 GiB: the candidate running beside us keeps its room), then on the host up to
-    4 GiB; cases past both are computed after the candidate, one at a time. On a CPU nothing is
-    computed ahead: the two processes would share the same cores."""
+    while the candidate does. Kept on the device while they fit a budget (a quarter of its
+    memory; each case runs ahead only if the candidate keeps room for one of its own cases, see
+    _room_beside_candidate), then on the host up to 4 GiB; cases past both are computed after
+    the candidate, one at a time. On a CPU nothing is computed ahead: the two processes would
+    share the same cores."""
 
     HOST_BUDGET = 4 << 30
 
@@ -203,7 +206,7 @@ class _ReferenceStore:
         self.device_budget = self.host_budget = 0
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            self.device_budget, self.host_budget = min(4 << 30, total // 10), self.HOST_BUDGET
+            self.device_budget, self.host_budget = total // 4, self.HOST_BUDGET
         if host_budget is not None:
             self.host_budget = host_budget
         self.on_device = self.on_host = 0
@@ -220,6 +223,17 @@ class _ReferenceStore:
             return tensors
         self.on_host += size
         return [t.cpu() for t in tensors]
+
+
+def _room_beside_candidate(device: torch.device, estimate: dict, index: int) -> bool:
+    """Whether case `index`'s reference can run ahead on the device and still leave the candidate
+    the memory it needs for one case (both from check_fits's estimate): the reference must never
+    be why the candidate runs out of memory. Unsized tasks compute ahead as before."""
+    if device.type != "cuda" or not estimate.get("case_reference_bytes"):
+        return True
+    free, _total = torch.cuda.mem_get_info(device)
+    need = estimate["case_reference_bytes"][index] + estimate["candidate_bytes"]
+    return free >= need * 1.1 + (1 << 30)
 
 
 def _reference_case(
@@ -244,28 +258,60 @@ def _reference_case(
     return {"entry": entry, "native": native, "exact": exact, "stats": stats}
 
 
-def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]]]:
-    """Plan the cases, write their inputs (and the reference's weights) for the candidate, and
-    keep them here. Each case's tensors are written as soon as they are made (see
-    loom_mcp.worker.handoff)."""
+def _tell_candidate(request: dict, count: int) -> None:
+    if request.get("cand_go_file"):
+        publish_go(request["cand_go_file"], {"cases": count}, os.environ.get("LOOM_GO_SIGNER", ""))
+
+
+def _consumed(request: dict, index: int) -> bool:
+    """Whether the candidate is done with case `index`: its outputs for it are published, or
+    the server has said it exited."""
+    if handoff.case_written(request["outputs_dir"], index):
+        return True
+    go = request.get("go_file")
+    return isinstance(go, str) and os.path.exists(go)
+
+
+def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], dict]:
+    """Plan the cases, write their inputs (and the reference's weights) for the candidate one
+    case at a time, and keep them here. The candidate is told to start once the first case is
+    written; the next ones are made meanwhile. Inputs on disk are bounded (fits.INPUT_WINDOW):
+    past it, a case is written once the candidate has finished an earlier one, whose files are
+    then deleted."""
     cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
-    check_fits(task, cases, request, device)
-    writer = handoff.BundleWriter(request["cases_dir"])
-    written, kept = [], []
-    for case in cases:
+    estimate = check_fits(task, cases, request, device) or {}
+    cases_dir = request["cases_dir"]
+    handoff.write_count(cases_dir, len(cases))
+    kept: list[tuple[list, list]] = []
+    window = int(request.get("input_window_bytes") or INPUT_WINDOW_BYTES)
+    pending: dict[int, int] = {}  # written, not yet finished by the candidate: bytes per case
+    for index, case in enumerate(cases):
         inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"], device)
         model = build_reference(task, init_inputs, case["seed"])
-        state = model.state_dict() if isinstance(model, torch.nn.Module) else {}
-        written.append(
-            writer.encode(
-                {"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs, "state_dict": dict(state)}
-            )
+        state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
+        size = input_bytes(inputs) + input_bytes(list(state.values()))
+        delay = 0.002
+        while True:
+            for done in [i for i in pending if _consumed(request, i)]:
+                del pending[done]
+                shutil.rmtree(handoff.case_dir(cases_dir, done), ignore_errors=True)
+            if len(pending) < INPUT_WINDOW_CASES or sum(pending.values()) + size <= window:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        handoff.write_case(
+            cases_dir, index, {"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs, "state_dict": state}
         )
+        pending[index] = size
         kept.append((inputs, init_inputs))
         del model, state
-    writer.close(written)
+        if index == 0:
+            mark("first_case_written")
+            _tell_candidate(request, len(cases))
+    if not cases:
+        _tell_candidate(request, 0)
     mark("inputs_written")
-    return cases, kept
+    return cases, kept, estimate
 
 
 def inputs_reproducible(task, cases: list[dict], kept: list[tuple[list, list]], device: torch.device) -> bool:
@@ -287,21 +333,20 @@ class CandidateOutputs:
     files are the candidate's: anything wrong in them is its failure, never the reference's."""
 
     def __init__(self, directory: str) -> None:
-        self.bundle: handoff.Bundle | None = None
+        self.directory = directory
+        self.count = 0
         self.problem: str | None = None
         try:
-            self.bundle = handoff.Bundle(directory)
-            if not isinstance(self.bundle.tree, list):
-                raise ValueError("not a list of cases")
+            self.count = handoff.read_count(directory)
         except (OSError, ValueError, TypeError) as exc:
             self.problem = f"the candidate's saved outputs could not be read: {type(exc).__name__}: {exc}"
 
     def get(self, index: int) -> tuple[list[torch.Tensor] | None, str | None]:
         """(case `index`'s outputs, or None; why they could not be read, or None)."""
-        if self.bundle is None or index >= len(self.bundle.tree):
+        if self.problem or index >= self.count:
             return None, self.problem
         try:
-            got = self.bundle.decode(self.bundle.tree[index])
+            got = handoff.read_case(self.directory, index)
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             return None, f"the candidate's saved outputs could not be read: {type(exc).__name__}: {exc}"
         if got is not None and not (isinstance(got, list) and all(isinstance(t, torch.Tensor) for t in got)):
@@ -326,9 +371,7 @@ def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     apply_task_globals(task, request.get("task_globals"), strict=True)
     device = pick_device(request.get("device"))
-    cases, kept = _prepare_cases(task, request, device)
-    if request.get("cand_go_file"):
-        publish_go(request["cand_go_file"], {}, os.environ.get("LOOM_GO_SIGNER", ""))
+    cases, kept, estimate = _prepare_cases(task, request, device)
     reproducible = inputs_reproducible(task, cases, kept, device)
     if device.type == "cuda":
         torch.zeros(1, device=device)  # the context, while the candidate runs
@@ -343,6 +386,8 @@ def validate(request: dict) -> dict:
     ahead: list[dict[str, Any]] = []
     while len(ahead) < len(cases) and store.has_room():
         i = len(ahead)
+        if not _room_beside_candidate(device, estimate, i):
+            break
         try:
             ref = _reference_case(task, request["task"], cases[i], *kept[i], device, ahead=True)
         except torch.OutOfMemoryError:
