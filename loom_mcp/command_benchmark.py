@@ -14,7 +14,10 @@ from loom_mcp.bench.command_models import Arm, CommandBenchmarkResult
 from loom_mcp.bench.metrics import ParserName
 from loom_mcp.bench.revisions import revision_checkouts, revisions_root, uncommitted_finding
 from loom_mcp.config import LoomConfig
+from loom_mcp.dispatch import campaign_kind
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.models import Placement
+from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import safefs
 from loom_mcp.sandbox.runner import Progress
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
@@ -50,8 +53,15 @@ async def run_command_benchmark(
     run_id = new_run_id("benchmark")
     target = await judge.pick_target(config)
 
+    placements: list[Placement] = []  # each ends (ended_at) when its lease does
+
     async def measure(where: Path | dict[Arm, Path] | None) -> CommandBenchmarkResult:
-        async with judge.Leased(config, target, progress):
+        kind = campaign_kind(ledger, artifacts, campaign_id)
+        async with judge.Leased(config, target, progress, kind) as held:
+            if held.target.placement:
+                placements.append(held.target.placement)
+            # On a GPU the commands see only the GPU the lease holds, as every other job does.
+            gpu = job_placement(held.target.torch_device)[2] if held.target.is_gpu else None
             result = await benchmark_commands(
                 baseline=baseline_command or command,
                 candidate=command,
@@ -67,6 +77,7 @@ async def run_command_benchmark(
                 metrics_file=metrics_file,
                 warmup=warmup,
                 progress=progress,
+                visible_devices=gpu,
             )
         return result
 
@@ -96,7 +107,12 @@ async def run_command_benchmark(
         artifacts,
         run_id,
         "benchmark",
-        {"mode": "command", "samples": samples, "result": result.model_dump()},
+        {
+            "mode": "command",
+            "samples": samples,
+            "result": result.model_dump(),
+            "placement": placements[-1].model_dump() if placements else None,
+        },
         result,
         campaign_id,
     )

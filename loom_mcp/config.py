@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
@@ -60,6 +61,30 @@ class _InHome:
         return config.home / self.name
 
 
+class ExecutorConfig(BaseModel):
+    """Where jobs run. Not part of the fingerprint: which free device of a kind runs a job
+    changes no verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["local", "ray"] = Field(
+        default="local", description="local: this machine's devices; ray: a Ray cluster's (pip install 'loom-mcp[ray]')"
+    )
+    address: str = Field(
+        default="local",
+        description='kind = "ray": "local" (a private Ray instance here), "auto" (the cluster this '
+        'machine is in) or "ray://host:port"',
+    )
+    max_jobs: int | None = Field(
+        default=None, ge=1, description="Jobs at once; default one per GPU (cpu_slots without a GPU)"
+    )
+    cpu_slots: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Jobs at once on a machine without a GPU; above 1 CPU timings share the cores",
+    )
+
+
 class LoomConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", ignored_types=(_InHome,))
     home: Path
@@ -77,6 +102,7 @@ class LoomConfig(BaseModel):
         "imported (a few hundred MB of host memory)",
     )
     lease_timeout_s: float = Field(default=900.0, gt=0)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     # Sandbox limits per job (loom_mcp/sandbox/policy.py hands them to every JobSpec).
     job_memory_bytes: int = Field(
         default_factory=lambda: _three_quarters_of_ram(),

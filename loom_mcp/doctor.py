@@ -19,8 +19,9 @@ from loom_mcp.config import (
 )
 from loom_mcp.devices import probe_devices
 from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.dispatch import executor_state
 from loom_mcp.errors import LoomError, filesystem_state, storage_hint
-from loom_mcp.models import DeviceInfo, Toolchain
+from loom_mcp.models import DeviceInfo, ExecutorState, Toolchain
 from loom_mcp.sandbox.isolation import isolation_report
 
 
@@ -31,6 +32,7 @@ class DoctorReport(BaseModel):
     devices: list[DeviceInfo]
     backends: dict[str, str]
     toolchain: Toolchain
+    executor: ExecutorState | None = None
     isolation: dict[str, str]
     state: dict[str, str] = {}
     limitations: list[str]
@@ -156,6 +158,7 @@ async def build_report(home: Path | None) -> DoctorReport:
         devices=devices,
         backends=backends,
         toolchain=toolchain,
+        executor=await executor_state(config, devices, toolchain),
         isolation=isolation,
         state=state,
         limitations=problems + limitations_for(devices, toolchain, isolation),
@@ -199,6 +202,10 @@ def render(report: DoctorReport) -> str:
         lines.append(
             f"  {t.name}: {t.version or 'found' if t.found else 'not found'}" + (f" ({t.path})" if t.path else "")
         )
+    if report.executor:
+        ex = report.executor
+        lines.append(f"executor: {ex.kind} on {', '.join(ex.nodes)}")
+        lines += [f"  {slot.device}: {'busy' if slot.busy else 'free'}" for slot in ex.slots]
     lines.append("sandbox:")
     lines += [f"  {k}: {v}" for k, v in report.isolation.items()]
     if report.state:

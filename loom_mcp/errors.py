@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
     READ_ONLY = "READ_ONLY"  # LOOM_HOME (or the ledger) cannot be written: EROFS, EACCES, EPERM
     LEDGER_CORRUPT = "LEDGER_CORRUPT"  # ledger.sqlite3 is not a readable loom ledger
     CONFIG_INVALID = "CONFIG_INVALID"  # loom.toml (the human's file) does not parse or validate
+    INTERRUPTED = "INTERRUPTED"  # the node or worker running a job was lost, twice (Ray executor)
 
 
 class LoomError(Exception):
@@ -40,6 +41,10 @@ class LoomError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.code.value}] {self.message}"
+
+    def __reduce__(self):
+        # Raised in a Ray task, it is pickled back to the server with its code.
+        return (type(self), (self.code, self.message))
 
 
 # ---------------------------------------------------------------- storage faults

@@ -7,6 +7,7 @@ import anyio
 from loom_mcp.config import LoomConfig
 from loom_mcp.devices import probe_devices
 from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.dispatch import executor_state
 from loom_mcp.models import DeviceInfo, DeviceInfoResult
 from loom_mcp.sandbox.lease import lease_holder
 
@@ -28,4 +29,9 @@ async def device_info(config: LoomConfig, refresh: bool = False) -> DeviceInfoRe
             "no GPU found: validation runs on CPU (Triton interpreter), timings are CPU wall-clock; "
             "start_campaign to begin"
         )
-    return DeviceInfoResult(devices=devices, toolchain=toolchain, backends=backends, next_step=next_step)
+    executor = await executor_state(config, devices, toolchain)
+    if len(executor.slots) > 1:
+        next_step += f"; {len(executor.slots)} devices take jobs at once: several candidates may be judged in parallel"
+    return DeviceInfoResult(
+        devices=devices, toolchain=toolchain, backends=backends, executor=executor, next_step=next_step
+    )

@@ -1,8 +1,9 @@
-"""The judge's services: compile, validate and benchmark a candidate on the device this server owns.
+"""The judge's services: compile, validate and benchmark a candidate on a device of this server.
 
 Plain async functions over the config, ledger and artifact store; the MCP layer only calls them.
-Every job that touches a device holds that device's lease; the held time is the call's device
-seconds. Full records are stored as artifacts and indexed in the ledger (loom://runs/{id}).
+Every job that touches a device takes a slot of the pool and holds its lease (dispatch.py); the
+held time is the call's device seconds. Full records, with where each ran, are stored as
+artifacts and indexed in the ledger (loom://runs/{id}).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from typing import Any
 import anyio
 import orjson
 
-from loom_mcp import __version__
 from loom_mcp.bench.runner import benchmark_candidate
 from loom_mcp.compile.service import Language, compile_source
 from loom_mcp.config import LoomConfig
-from loom_mcp.devices import probe_devices
 from loom_mcp.devices.toolchain import probe_toolchain
+from loom_mcp.dispatch import Leased, Target, campaign_kind, pick_target, run_on_ray, targets_of_kind
+from loom_mcp.dispatch import first_visible as first_visible  # where tests and scripts look for it
 from loom_mcp.errors import ErrorCode, LoomError
+from loom_mcp.executor.ray_executor import build_job
 from loom_mcp.gate import benchmark_reasons, review_explanation
 from loom_mcp.judge_models import (
     BenchmarkEvidence,
@@ -37,51 +39,15 @@ from loom_mcp.models import (
     CaseSummary,
     CheckFinding,
     CompileResult,
-    DeviceInfo,
     RunValidationResult,
     ShapeSpeed,
 )
-from loom_mcp.sandbox import safefs
-from loom_mcp.sandbox.lease import DEVICE_METER, DeviceLease
+from loom_mcp.sandbox import policy, safefs
 from loom_mcp.sandbox.runner import Progress
-from loom_mcp.sandbox.sources import code_digest, snapshot
+from loom_mcp.sandbox.sources import code_digest, code_files, snapshot
 from loom_mcp.store import ArtifactStore, Ledger, new_run_id
 from loom_mcp.validate.runner import validate_candidate
 from loom_mcp.validate.taskfile import check_task_globals, parse_task_source
-
-
-@dataclass
-class Target:
-    """Where jobs run: the torch device string for workers, and the device record for peaks."""
-
-    torch_device: str  # "cuda:N" (CUDA and ROCm builds alike; N = NVML/amdsmi index) or "cpu"
-    device: DeviceInfo
-    lease_key: str
-    software: str = ""  # torch, triton and loom versions as the workers see them
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.torch_device != "cpu"
-
-
-async def pick_target(config: LoomConfig) -> Target:
-    toolchain = await probe_toolchain(config.cache_dir / "toolchain.json")
-    if toolchain.torch is None:
-        raise LoomError(
-            ErrorCode.TOOLCHAIN_MISSING,
-            "torch is not importable by the worker python "
-            f"({toolchain.probe_error or 'not installed'}); install torch (and triton) "
-            "into the environment loom-mcp runs in: pip install 'loom-mcp[triton]'",
-        )
-    devices, _ = await anyio.to_thread.run_sync(probe_devices)
-    gpus = [d for d in devices if d.vendor != "cpu"]
-    torch_sees_gpu = any(name.startswith("cuda") for name in toolchain.torch_devices)
-    software = f"torch {toolchain.torch}; triton {toolchain.triton}; loom-mcp {__version__}"
-    if gpus and torch_sees_gpu:
-        gpu = first_visible(gpus)
-        return Target(f"cuda:{gpu.index}", gpu, f"{gpu.vendor}:{gpu.index}", software)
-    cpu = next(d for d in devices if d.vendor == "cpu")
-    return Target("cpu", cpu, "cpu", software)
 
 
 def validation_reuse_key(
@@ -119,40 +85,24 @@ async def reusable_validation(
     task: Path,
     candidate: Path,
     task_globals: dict[str, Any] | None = None,
+    campaign_id: str | None = None,
 ) -> tuple[str, ValidationEvidence] | None:
-    """A full validation (policy seeds, every shape) already run on these exact bytes here.
+    """A full validation (policy seeds, every shape) already run on these exact bytes here, on
+    any device of the kind the job would run on (the campaign's).
 
     Only when every such run passed: each run draws fresh secret seeds, so a candidate that
     fails some of them must not be able to fish for one lucky pass and submit on it."""
-    target = await pick_target(config)
-    key = validation_reuse_key(
-        config, target, task, candidate, config.gate.seeds, None, checked_task_globals(task, task_globals)
-    )
-    rows = ledger.runs_with_key("validation", key)
+    overrides = checked_task_globals(task, task_globals)
+    rows: list[dict[str, Any]] = []
+    for target in await targets_of_kind(config, campaign_kind(ledger, artifacts, campaign_id)):
+        key = validation_reuse_key(config, target, task, candidate, config.gate.seeds, None, overrides)
+        rows += ledger.runs_with_key("validation", key)
+    rows.sort(key=lambda r: r["created_at"], reverse=True)
     if not rows or not all(orjson.loads(r["summary_json"]).get("passed") for r in rows):
         return None
     row = rows[0]
     record = orjson.loads(artifacts.get_bytes(row["record_sha"]))
     return row["id"], ValidationEvidence.model_validate(record["evidence"])
-
-
-def first_visible(gpus: list[DeviceInfo]) -> DeviceInfo:
-    """The GPU the workers' torch calls cuda:0: the first entry of CUDA_VISIBLE_DEVICES /
-    HIP_VISIBLE_DEVICES when it names an index (workers inherit it), else the first GPU found.
-    Its NVML/amdsmi index is the one whose clocks are sampled and whose lease is taken."""
-    import os
-
-    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
-        first = os.environ.get(var, "").split(",")[0].strip()
-        if first.isdigit():
-            match = [g for g in gpus if g.index == int(first)]
-            if match:
-                return match[0]
-        elif first.startswith("GPU-"):
-            match = [g for g in gpus if g.uuid and g.uuid.startswith(first)]
-            if match:
-                return match[0]
-    return gpus[0]
 
 
 def check_file(config: LoomConfig, path: str, what: str) -> Path:
@@ -215,28 +165,21 @@ class JudgeCall:
         return task_path, cand_path, checked_task_globals(task_path, self.task_globals)
 
 
-class Leased:
-    """Holds the target's lease and measures how long (the device seconds of the call)."""
+def _placement(target: Target) -> dict[str, Any] | None:
+    """Where the run ran (executor, node, slot, kind, queue wait), for its record."""
+    return target.placement.model_dump() if target.placement else None
 
-    def __init__(self, config: LoomConfig, target: Target, progress: Progress | None) -> None:
-        self.lease = DeviceLease(config.locks_dir, target.lease_key, timeout_s=config.lease_timeout_s)
-        self.target = target
-        self.progress = progress
-        self.seconds = 0.0
 
-    async def __aenter__(self) -> Leased:
-        if self.progress:
-            await self.progress(f"waiting for device {self.target.lease_key}")
-        await self.lease.__aenter__()
-        self._start = time.monotonic()
-        return self
+def _held_for(target: Target) -> float:
+    """Device seconds of a job run elsewhere (a GPU's, as Leased counts them; 0 on a CPU)."""
+    p = target.placement
+    return (p.ended_at or p.started_at) - p.started_at if p and target.is_gpu else 0.0
 
-    async def __aexit__(self, *exc: Any) -> None:
-        self.seconds = time.monotonic() - self._start if self.target.is_gpu else 0.0
-        meter = DEVICE_METER.get()
-        if meter is not None:
-            meter.append(self.seconds)
-        await self.lease.__aexit__(*exc)
+
+def _job_limits(config: LoomConfig) -> tuple[int, int]:
+    """The sandbox limits a job runs under, wherever it runs (memory, disk bytes)."""
+    limits = policy.from_config(config)
+    return limits.memory_bytes, limits.disk_bytes
 
 
 # ---------------------------------------------------------------- compile
@@ -280,7 +223,7 @@ async def compile_kernel(
     if target is None and tgt.is_gpu and tgt.device.arch:
         target = tgt.device.arch
     async with Leased(config, tgt, progress) as held:
-        result = await run(tgt.torch_device, target)
+        result = await run(held.target.torch_device, target)
     return result, held.seconds
 
 
@@ -330,26 +273,43 @@ async def run_validation(
 ) -> tuple[RunValidationResult, ValidationEvidence, float]:
     task_path, cand_path, task_globals = call.checked(config)
     seeds = max(seeds or config.gate.seeds, config.gate.seeds)  # more seeds than policy, never fewer
-    target = await pick_target(config)
+    kind = campaign_kind(ledger, artifacts, call.campaign_id)
+    default = await pick_target(config)  # no torch: TOOLCHAIN_MISSING before anything is written
     run_id = new_run_id("validation")
     started = time.monotonic()
     # The job runs a server-owned copy; the key and the record are of the same bytes.
     ran = await anyio.to_thread.run_sync(snapshot, cand_path, config.jobs_dir / run_id / "code")
-    reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, call.shapes, task_globals)
-    async with Leased(config, target, call.progress) as held:
-        evidence = await validate_candidate(
-            task=task_path,
-            candidate=ran,
-            job_dir=config.jobs_dir / run_id,
-            seeds=seeds,
-            shapes=call.shapes,
-            device=target.torch_device,
-            timeout_s=config.job_timeout_s,
-            validation_id=run_id,
-            keep_warm=config.warm_workers,
-            progress=call.progress,
-            task_globals=task_globals,
-        )
+    if config.executor.kind == "ray":
+        settings = {
+            "seeds": seeds,
+            "shapes": call.shapes,
+            "timeout_s": config.job_timeout_s,
+            "validation_id": run_id,
+            "task_globals": task_globals,
+        }
+        job = build_job("validate", run_id, task_path, ran, code_files(ran), settings, *_job_limits(config))
+        remote, target = await run_on_ray(config, default, kind, job, call.progress)
+        evidence = ValidationEvidence.model_validate(remote.evidence)
+        reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, call.shapes, task_globals)
+        device_seconds = _held_for(target)
+    else:
+        async with Leased(config, default, call.progress, kind) as held:
+            target = held.target  # the slot that came free
+            reuse_key = validation_reuse_key(config, target, task_path, ran, seeds, call.shapes, task_globals)
+            evidence = await validate_candidate(
+                task=task_path,
+                candidate=ran,
+                job_dir=config.jobs_dir / run_id,
+                seeds=seeds,
+                shapes=call.shapes,
+                device=target.torch_device,
+                timeout_s=config.job_timeout_s,
+                validation_id=run_id,
+                keep_warm=config.warm_workers,
+                progress=call.progress,
+                task_globals=task_globals,
+            )
+        device_seconds = held.seconds
     result = summarize_validation(evidence, target.torch_device, seeds, time.monotonic() - started)
     store_record(
         ledger,
@@ -363,12 +323,13 @@ async def run_validation(
             "candidate": str(cand_path),
             "candidate_sha": artifacts.put_bytes(safefs.read_resolved_bytes(ran), "candidate", cand_path.name),
             "reuse_key": reuse_key,
+            "placement": _placement(target),
         },
         result,
         call.campaign_id,
         reuse_key=reuse_key,
     )
-    return result, evidence, held.seconds
+    return result, evidence, device_seconds
 
 
 # ---------------------------------------------------------------- benchmark
@@ -527,31 +488,54 @@ async def run_benchmark(
     if not baseline:
         baseline = task_baseline(task_path)
     base_path = check_file(config, baseline, "baseline") if baseline else None
-    target = await pick_target(config)
+    kind = campaign_kind(ledger, artifacts, call.campaign_id)
     gate = config.gate
     run_id = new_run_id("benchmark")
-    sampler = _clock_sampler(target)
     started = time.monotonic()
-    async with Leased(config, target, call.progress) as held:
-        before = sampler() if sampler else None
-        evidence, findings = await benchmark_candidate(
-            task=task_path,
-            candidate=cand_path,
-            baseline=base_path,
-            job_dir=config.jobs_dir / run_id,
-            shapes=call.shapes,
-            device=target.torch_device,
-            gate=gate,
-            peak=target.device.peak,
-            flush_bytes=flush_bytes_for(target),
-            timeout_s=config.job_timeout_s,
-            benchmark_id=run_id,
-            clock_sampler=sampler,
-            keep_warm=config.warm_workers,
-            progress=call.progress,
-            task_globals=task_globals,
+    default = await pick_target(config)
+    if config.executor.kind == "ray":
+        settings = {
+            "shapes": call.shapes,
+            "flush_bytes": flush_bytes_for(default),  # a kind's devices share their caches' sizes
+            "timeout_s": config.job_timeout_s,
+            "benchmark_id": run_id,
+            "task_globals": task_globals,
+            "gate": gate.model_dump(mode="json"),
+            "peak": default.device.peak.model_dump(mode="json") if default.device.peak else None,
+        }
+        job = build_job(
+            "benchmark", run_id, task_path, cand_path, code_files(cand_path), settings, *_job_limits(config), base_path
         )
-        after = sampler() if sampler else None
+        remote, target = await run_on_ray(config, default, kind, job, call.progress)
+        evidence = BenchmarkEvidence.model_validate(remote.evidence)
+        findings = [Finding.model_validate(f) for f in remote.findings]
+        before, after = remote.clocks_before, remote.clocks_after
+        device_seconds = _held_for(target)
+    else:
+        # The two arms, the timer and the proof share the one slot the lease holds.
+        async with Leased(config, default, call.progress, kind) as held:
+            target = held.target
+            sampler = _clock_sampler(target)
+            before = sampler() if sampler else None
+            evidence, findings = await benchmark_candidate(
+                task=task_path,
+                candidate=cand_path,
+                baseline=base_path,
+                job_dir=config.jobs_dir / run_id,
+                shapes=call.shapes,
+                device=target.torch_device,
+                gate=gate,
+                peak=target.device.peak,
+                flush_bytes=flush_bytes_for(target),
+                timeout_s=config.job_timeout_s,
+                benchmark_id=run_id,
+                clock_sampler=sampler,
+                keep_warm=config.warm_workers,
+                progress=call.progress,
+                task_globals=task_globals,
+            )
+            after = sampler() if sampler else None
+        device_seconds = held.seconds
     state = None
     if before and after:
         state = {
@@ -581,8 +565,9 @@ async def run_benchmark(
             "candidate": str(cand_path),
             "baseline": str(base_path) if base_path else None,
             "device": target.device.model_dump(),
+            "placement": _placement(target),
         },
         result,
         call.campaign_id,
     )
-    return result, evidence, findings, held.seconds
+    return result, evidence, findings, device_seconds

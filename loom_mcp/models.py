@@ -87,12 +87,38 @@ class Toolchain(_Model):
     probe_error: str | None = None
 
 
+class ExecutorSlot(_Model):
+    device: str = Field(description="Where one job at a time runs: 'nvidia:N', 'amd:N', 'cpu:N'")
+    busy: bool
+
+
+class ExecutorState(_Model):
+    """Where jobs run: each slot takes one job at a time; calls queue, first come first served."""
+
+    kind: Literal["local", "ray"]
+    nodes: list[str]
+    slots: list[ExecutorSlot]
+
+
+class Placement(_Model):
+    """Where one run ran, recorded with it (loom://runs/{id})."""
+
+    executor: str
+    node: str
+    device: str = Field(description="The slot: 'nvidia:N', 'amd:N', 'cpu:N'")
+    device_kind: str = Field(description="Model and driver: a campaign's jobs only go to devices of its kind")
+    queued_s: float = Field(description="Waited for a free device")
+    started_at: float = Field(description="Epoch seconds the device was taken")
+    ended_at: float | None = None
+
+
 class DeviceInfoResult(_Model):
     devices: list[DeviceInfo]
     toolchain: Toolchain
     backends: dict[str, str] = Field(
         description="Per vendor library: 'ok', or why it is unavailable (e.g. 'pynvml not installed')"
     )
+    executor: ExecutorState
     next_step: str
 
 

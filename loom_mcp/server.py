@@ -21,7 +21,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
-from loom_mcp import __version__
+from loom_mcp import __version__, dispatch
 from loom_mcp.bench.command_models import CommandBenchmarkResult
 from loom_mcp.campaigns import start_campaign as start_campaign_impl
 from loom_mcp.config import LoomConfig, load_config
@@ -76,13 +76,27 @@ RECORDS = ToolAnnotations(destructive_hint=False, open_world_hint=False)
 ToolFunction = Callable[..., Awaitable[Any]]
 
 
+def _ray_importable() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_server(config: LoomConfig | None = None) -> MCPServer:
     config = config or load_config()
     services = open_services(config)
+    if config.executor.kind == "ray" and not _ray_importable():
+        raise LoomError(
+            ErrorCode.TOOLCHAIN_MISSING,
+            "loom.toml sets [executor] kind = \"ray\", and Ray is not installed: pip install 'loom-mcp[ray]'",
+        )
 
     @asynccontextmanager
     async def lifespan(_: MCPServer) -> AsyncIterator[Services]:
         log.info("loom-mcp %s serving; home %s", __version__, config.home)
+        await dispatch.start_executor(config)  # joins (or starts) Ray now, not in a tool call
         yield services
 
     server = LoomServer(
@@ -310,16 +324,17 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
         task's Model, a candidate's ModelNew or a script (CUDA, ROCm, CPU); rocprofv3 / nsys: wrap
         `command` ([TOOLCHAIN_MISSING] when absent). Returns trace_id and a headline; then analyze_trace."""
         from loom_mcp import judge
+        from loom_mcp.dispatch import campaign_kind
         from loom_mcp.profiling.runner import profile_workload
 
         task_path = judge.check_file(config, task, "task") if task else None
         cand_path = judge.check_file(config, candidate, "candidate") if candidate else None
         script_path = judge.check_file(config, script, "script") if script else None
-        target = await judge.pick_target(config) if profiler == "torch" else None
-        device = target.torch_device if target else "auto"
-        lease_target = target or await judge.pick_target(config)
+        kind = campaign_kind(services.ledger, services.artifacts, campaign_id)
         progress = progress_of(ctx)  # one reporter for the whole call: its steps only increase
-        async with judge.Leased(config, lease_target, progress):
+        async with judge.Leased(config, await judge.pick_target(config), progress, kind) as held:
+            # torch runs on the slot it was given; a vendor profiler's command picks its own device.
+            device = held.target.torch_device if profiler == "torch" else "auto"
             result = await profile_workload(
                 config,
                 services.ledger,

@@ -302,7 +302,13 @@ async def submit_candidate(
                 # A full validation of these exact bytes on this device and software (the agent's
                 # own run_validation before submitting, say) is evidence already: reuse it.
                 reused = await judge.reusable_validation(
-                    config, ledger, artifacts, task=frozen_task, candidate=frozen_cand, task_globals=task_globals
+                    config,
+                    ledger,
+                    artifacts,
+                    task=frozen_task,
+                    candidate=frozen_cand,
+                    task_globals=task_globals,
+                    campaign_id=campaign_id,
                 )
                 if reused is not None:
                     validation_id, validation = reused

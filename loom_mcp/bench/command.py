@@ -62,6 +62,7 @@ async def benchmark_commands(
     gate: GateConfig | None = None,
     readable: Sequence[Path] | None = None,
     writable: Sequence[Path] = (),
+    visible_devices: list[int] | None = None,
 ) -> CommandBenchmarkResult:
     """Run `baseline` and `candidate` `runs` times each in ABBA order and compare their metrics.
 
@@ -75,7 +76,8 @@ async def benchmark_commands(
 
     What the commands see (the sandbox's root view): `readable` read-only (default: the
     server's allowed roots), each arm's working tree (`work_tree(cwd)`) and `writable`
-    read-write, their run directory (cwd when none is given, HOME) read-write.
+    read-write, their run directory (cwd when none is given, HOME) read-write. `visible_devices`:
+    the GPUs (physical indices) the commands see; None leaves the server's setting.
 
     Metrics and direction: ``metrics`` names what to compare; ``"name:higher"`` / ``"name:lower"``
     states the direction. Without a suffix the direction comes from a table of known names (vLLM,
@@ -155,6 +157,7 @@ async def benchmark_commands(
         metrics_file=rel,
         allow_network=allow_network,
         progress=progress,
+        visible_devices=visible_devices,
         readable=[Path(p) for p in (policy.current().trusted_roots if readable is None else readable)],
         writable={
             arm: [*([work_tree(where)] if where is not None else []), *map(Path, writable)]

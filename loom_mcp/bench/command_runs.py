@@ -136,6 +136,7 @@ class Bench:
     progress: Progress | None
     readable: list[Path] = field(default_factory=list)
     writable: dict[Arm, list[Path]] = field(default_factory=dict)
+    visible_devices: list[int] | None = None  # the leased GPU; None: the server's setting
     seq: int = field(default=0, init=False)
     attempts: dict[Arm, int] = field(init=False, default_factory=lambda: {"baseline": 0, "candidate": 0})
     history: list[Run] = field(init=False, default_factory=list)
@@ -172,6 +173,7 @@ class Bench:
             # HOME private, LOOM_HOME (ledger, loom.toml) and the real HOME out of sight.
             readable=self.readable,
             writable=self.writable.get(arm, []),
+            visible_devices=self.visible_devices,
         )
 
         async def tick(message: str) -> None:

@@ -127,6 +127,26 @@ class DeviceLease:
             raise
         return self
 
+    def try_enter(self) -> bool:
+        """Take the lease now if it is free (True), else False at once: a pool that picks among
+        several devices tries each without waiting on any."""
+        if self._fd is not None:
+            raise LoomError(ErrorCode.INTERNAL, f"lease on {self.device_key} entered twice")
+        self.lock_dir.mkdir(parents=True, exist_ok=True)
+        fd = _try_lock(self._lock_path)
+        if fd is None:
+            return False
+        self._fd = fd
+        try:
+            self._write_holder()
+        except BaseException:
+            self._release()
+            raise
+        return True
+
+    def release(self) -> None:
+        self._release()
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
