@@ -213,3 +213,60 @@ def test_kind_ray_without_ray_installed_is_refused_at_start(tmp_path: Path) -> N
                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert run.returncode != 0 and run.stdout == ""
     assert "[TOOLCHAIN_MISSING]" in run.stderr and "loom-mcp[ray]" in run.stderr, run.stderr
+
+
+@pytest.mark.anyio
+async def test_two_campaigns_submitting_at_once_on_ray_stay_linear_within_budget(executor, tmp_path: Path) -> None:
+    """Two campaigns, each with a budget of one candidate, each sent two submissions at once, on
+    the Ray executor's two slots: one submission per campaign is judged (the others are refused
+    on budget, before any job), and each campaign's branch stays linear."""
+    from importlib import resources
+
+    import git
+    from mcp import Client
+
+    from loom_mcp.config import load_config
+    from loom_mcp.server import build_server
+    from loom_mcp.store import Ledger
+
+    from .conftest import campaign_workspace
+
+    demo = resources.files("loom_mcp") / "demo_data"
+    files = {name: (demo / name).read_text() for name in ("task.py", "candidate.py")}
+    gate = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_time_s = 1.5\nmin_time_s = 0.5\n"
+    repo, home = campaign_workspace(tmp_path, files, gate + '[executor]\nkind = "ray"\ncpu_slots = 2\n')
+    (repo / "candidate2.py").write_text(files["candidate.py"].replace("EPS = 1e-6", "EPS = 1.0e-6"))
+    outcomes: dict[str, list] = {}
+    async with Client(build_server(load_config(home))) as client:
+        cids = []
+        for goal in ("first", "second"):
+            started = await client.call_tool("start_campaign", {"repo": str(repo), "goal": goal, "max_candidates": 1})
+            assert started.is_error is False, started.content
+            cids.append(started.structured_content["campaign_id"])
+
+        async def submit(cid: str, name: str) -> None:
+            r = await client.call_tool("submit_candidate", {
+                "campaign_id": cid, "task": str(repo / "task.py"), "candidate": str(repo / name)})
+            outcomes.setdefault(cid, []).append(r)
+
+        async with anyio.create_task_group() as tg:
+            for cid in cids:
+                for name in ("candidate.py", "candidate2.py"):
+                    tg.start_soon(submit, cid, name)
+        for cid in cids:
+            for r in outcomes[cid]:
+                if not r.is_error:  # judged on Ray: its validation's record says so
+                    run = r.structured_content["validation_id"]
+                    record = orjson.loads((await client.read_resource(f"loom://runs/{run}")).contents[0].text)
+                    assert record["placement"]["executor"] == "ray", record["placement"]
+    ledger = Ledger(home / "ledger.sqlite3")
+    for cid in cids:
+        judged = [r for r in outcomes[cid] if not r.is_error]
+        refused = [r for r in outcomes[cid] if r.is_error]
+        assert len(judged) == 1 and len(refused) == 1, [r.content for r in outcomes[cid]]
+        assert "[BUDGET_EXHAUSTED]" in refused[0].content[0].text
+        rows = ledger.submissions(cid)
+        assert len(rows) == 1 and rows[0]["status"] in ("accept", "reject")
+        if rows[0]["commit_sha"]:
+            log = list(git.Repo(repo).iter_commits(f"loom/{cid}"))
+            assert log[0].hexsha == rows[0]["commit_sha"] and len(log[0].parents) == 1
