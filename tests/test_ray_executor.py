@@ -259,6 +259,11 @@ async def test_two_campaigns_submitting_at_once_on_ray_stay_linear_within_budget
                     run = r.structured_content["validation_id"]
                     record = orjson.loads((await client.read_resource(f"loom://runs/{run}")).contents[0].text)
                     assert record["placement"]["executor"] == "ray", record["placement"]
+        # The report counts the campaign's jobs per device, with their queue waits.
+        report = (await client.call_tool("campaign_report", {"campaign_id": cids[0]})).structured_content
+        devices = orjson.loads(Path(report["files"]["json"]).read_text())["devices"]
+        assert {d["executor"] for d in devices} == {"ray"} and sum(d["jobs"] for d in devices) == 2, devices
+        assert "## Devices" in Path(report["files"]["markdown"]).read_text()
     ledger = Ledger(home / "ledger.sqlite3")
     for cid in cids:
         judged = [r for r in outcomes[cid] if not r.is_error]

@@ -51,6 +51,18 @@ class ToolRates(_M):
     by_code: dict[str, int]
 
 
+class DeviceUse(_M):
+    """The campaign's jobs on one device, from their records' placements."""
+
+    executor: str
+    node: str
+    device: str
+    jobs: int
+    busy_s: float = Field(description="Seconds the device was held for this campaign's jobs")
+    queued_s: float = Field(description="Seconds those jobs waited for it, in all")
+    max_queued_s: float
+
+
 class CampaignReport(_M):
     schema_version: str = REPORT_SCHEMA
     campaign_id: str
@@ -70,6 +82,7 @@ class CampaignReport(_M):
     fingerprint: dict[str, Any]
     reproduce: list[str]
     files: dict[str, str]
+    devices: list[DeviceUse] = Field(default_factory=list, description="Jobs per device and their queue waits")
 
 
 def _verdict(row: dict) -> dict:
@@ -113,6 +126,30 @@ def _record(ledger: Ledger, artifacts: ArtifactStore, run_id: str | None) -> dic
         return None
     row = ledger.run(run_id)
     return orjson.loads(artifacts.get_bytes(row["record_sha"])) if row else None
+
+
+def device_use(ledger: Ledger, artifacts: ArtifactStore, campaign_id: str) -> list[DeviceUse]:
+    """Validation and benchmark jobs per (executor, node, device), with their queue waits."""
+    uses: dict[tuple[str, str, str], DeviceUse] = {}
+    for kind in ("validation", "benchmark"):
+        for row in ledger.runs_of(campaign_id, kind):
+            placement = (_record(ledger, artifacts, row["id"]) or {}).get("placement")
+            if not isinstance(placement, dict):
+                continue  # recorded before placements were
+            key = (str(placement.get("executor")), str(placement.get("node")), str(placement.get("device")))
+            use = uses.setdefault(
+                key,
+                DeviceUse(
+                    executor=key[0], node=key[1], device=key[2], jobs=0, busy_s=0.0, queued_s=0.0, max_queued_s=0.0
+                ),
+            )
+            queued = float(placement.get("queued_s") or 0.0)
+            use.jobs += 1
+            use.queued_s = round(use.queued_s + queued, 3)
+            use.max_queued_s = max(use.max_queued_s, queued)
+            if placement.get("ended_at"):
+                use.busy_s = round(use.busy_s + float(placement["ended_at"]) - float(placement["started_at"]), 3)
+    return sorted(uses.values(), key=lambda u: (u.executor, u.node, u.device))
 
 
 def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, campaign_id: str) -> CampaignReport:
@@ -199,6 +236,7 @@ def build_report(config: LoomConfig, ledger: Ledger, artifacts: ArtifactStore, c
         fingerprint=fingerprint,
         reproduce=reproduce,
         files={},
+        devices=device_use(ledger, artifacts, campaign_id),
     )
 
 
@@ -396,6 +434,19 @@ def render_markdown(r: CampaignReport) -> str:
         f"| {k} | {t.calls} | {t.errors} | {', '.join(f'{c}: {n}' for c, n in t.by_code.items()) or '—'} |"
         for k, t in sorted(r.tools.items())
     ]
+    if r.devices:
+        lines += [
+            "",
+            "## Devices",
+            "",
+            "| executor | node | device | jobs | busy s | queued s (max) |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {u.executor} | {_cell(u.node)} | {u.device} | {u.jobs} | {u.busy_s:.1f} | "
+            f"{u.queued_s:.1f} ({u.max_queued_s:.1f}) |"
+            for u in r.devices
+        ]
     lim, used = r.budgets["limit"], r.budgets["used"]
     lines += ["", "## Budgets", "", "| budget | used | limit |", "|---|---|---|"]
     lines += [f"| {k} | {used[k]:.1f} | {lim[k]:.1f} |" for k in ("gpu_seconds", "candidates", "wall_seconds")]
