@@ -37,6 +37,7 @@ __all__ = [
     "pick_target",
     "run_on_ray",
     "start_executor",
+    "stop_executor",
     "targets_of_kind",
 ]
 
@@ -244,6 +245,13 @@ async def start_executor(config: LoomConfig) -> None:
     devices, _ = await anyio.to_thread.run_sync(probe_devices)
     pool = local_pool(config, devices, toolchain)
     await anyio.to_thread.run_sync(ray_executor, config, pool)
+
+
+def stop_executor() -> None:
+    """When the server ends: a private Ray instance it started ends with it."""
+    for ex in list(_RAY.values()):
+        ex.shutdown()
+    _RAY.clear()
 
 
 async def run_on_ray(config: LoomConfig, default: Target, kind: str | None, job, progress: Progress | None):

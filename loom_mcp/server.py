@@ -97,7 +97,10 @@ def build_server(config: LoomConfig | None = None) -> MCPServer:
     async def lifespan(_: MCPServer) -> AsyncIterator[Services]:
         log.info("loom-mcp %s serving; home %s", __version__, config.home)
         await dispatch.start_executor(config)  # joins (or starts) Ray now, not in a tool call
-        yield services
+        try:
+            yield services
+        finally:
+            await anyio.to_thread.run_sync(dispatch.stop_executor)
 
     server = LoomServer(
         "loom-mcp",

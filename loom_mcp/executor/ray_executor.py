@@ -99,6 +99,7 @@ class RayExecutor:
         self.cpu_slots = cpu_slots
         self._ray: Any = None
         self._task: Any = None
+        self._owned = False  # this object started the Ray instance (and ends it)
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -119,6 +120,7 @@ class RayExecutor:
                 "include_dashboard": False,
                 "logging_level": logging.WARNING,
             }
+            self._owned = self.address == "local" and not ray.is_initialized()
             if self.address == "local":
                 resources = {kind_resource(k): v for k, v in self.local_resources.items()}
                 ray.init(num_cpus=max(self.cpu_slots, 1), resources=resources, **options)
@@ -193,6 +195,6 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         with self._lock:
-            if self._ray is not None and self.address == "local":
+            if self._ray is not None and self._owned:
                 self._ray.shutdown()
             self._ray = None
