@@ -6,6 +6,7 @@ real MCP protocol with real sandboxed workers."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +54,7 @@ def test_a_mapped_tensor_is_copy_on_write(tmp_path: Path) -> None:
     assert torch.equal(handoff.read_bundle(tmp_path / "b")[0], x)
 
 
-@pytest.mark.parametrize("attack", ["symlink", "short", "dtype", "name"])
+@pytest.mark.parametrize("attack", ["symlink", "short", "dtype", "name", "fifo", "repeated"])
 def test_a_forged_bundle_is_refused(tmp_path: Path, attack: str) -> None:
     """The reference reads what the candidate wrote: nothing in it is trusted."""
     secret = tmp_path / "secret.bin"
@@ -68,10 +69,55 @@ def test_a_forged_bundle_is_refused(tmp_path: Path, attack: str) -> None:
         (bundle / "t0.0.bin").write_bytes(b"\0" * 8)
     elif attack == "dtype":
         (bundle / "manifest.json").write_text(manifest.replace('"float32"', '"Tensor"'))
+    elif attack == "fifo":  # opening it for reading would wait for a writer forever
+        (bundle / "t0.0.bin").unlink()
+        os.mkfifo(bundle / "t0.0.bin")
+    elif attack == "repeated":  # one sparse file named three times: three times the memory
+        (bundle / "t0.0.bin").write_bytes(b"\0" * 32)
+        (bundle / "manifest.json").write_text(
+            manifest.replace('"chunks": ["t0.0.bin"]', '"chunks": ["t0.0.bin", "t0.0.bin"]'))
     else:
         (bundle / "manifest.json").write_text(manifest.replace('"t0.0.bin"', '"../secret.bin"'))
+    began = time.monotonic()
     with pytest.raises((OSError, ValueError)):
         handoff.read_bundle(bundle)
+    assert time.monotonic() - began < 5
+
+
+def test_a_case_bigger_than_expected_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    handoff.write_case(tmp_path, 0, [torch.zeros(1024)])
+    assert handoff.read_case(tmp_path, 0, max_bytes=4096)[0].numel() == 1024
+    with pytest.raises(ValueError, match="more than the 4095 expected"):
+        handoff.read_case(tmp_path, 0, max_bytes=4095)
+
+
+def test_the_candidates_directory_cannot_make_the_reference_fail(tmp_path: Path) -> None:
+    """Whether the candidate is done with a case is asked of its directory: an error there (a
+    mode that refuses us, a name too long) means not yet, never the reference's failure."""
+    assert reference._consumed({"outputs_dir": str(tmp_path / ("x" * 300))}, 0) is False
+    handoff.write_case(tmp_path / "out", 0, [torch.zeros(2)])
+    assert reference._consumed({"outputs_dir": str(tmp_path / "out")}, 0) is True
+
+
+def test_the_workers_exit_flushes_the_streams_it_started_with(tmp_path: Path) -> None:
+    """A candidate that swaps sys.stdout for an object of its own gets no call at exit (it could
+    rewrite its saved outputs there, after they were published)."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "ran"
+    script = (
+        "import sys\n"
+        "from loom_mcp.worker import protocol\n"
+        "class Sneaky:\n"
+        "    def write(self, s): return len(s)\n"
+        f"    def flush(self): open({str(marker)!r}, 'w').write('late')\n"
+        "sys.stdout = Sneaky()\n"
+        "protocol.exit_now()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------- through run_validation

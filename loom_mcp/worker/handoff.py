@@ -141,10 +141,12 @@ def write_bundle(directory: str | Path, value: Any, chunk_bytes: int | None = No
 def _open_plain(directory: Path, name: Any) -> int:
     if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or "\0" in name:
         raise ValueError(f"bad file name in the manifest: {name!r}")
-    fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # Non-blocking: opening a FIFO planted under a manifest's name would otherwise wait forever.
+    fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise ValueError(f"{name} is not a plain file")
+    os.set_blocking(fd, True)
     return fd
 
 
@@ -159,6 +161,8 @@ def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
     chunks = entry.get("chunks")
     if not isinstance(chunks, list) or entry.get("nbytes") != nbytes:
         raise ValueError("tensor size in the manifest does not match its shape")
+    if len(set(map(str, chunks))) != len(chunks):
+        raise ValueError("a file is named twice among a tensor's pieces")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     fds = [_open_plain(directory, name) for name in chunks]
@@ -208,6 +212,14 @@ class Bundle:
             raise ValueError("bad manifest")
         self.entries: list[Any] = entries
         self.tree: Any = manifest.get("tree")
+
+    def total_bytes(self) -> int:
+        """The bytes its manifest says its tensors hold (checked as each is read)."""
+        sizes = [e.get("nbytes") for e in self.entries if isinstance(e, dict)]
+        checked = [n for n in sizes if type(n) is int and n >= 0]
+        if len(checked) != len(self.entries):
+            raise ValueError("bad tensor sizes in the manifest")
+        return sum(checked)
 
     def decode(self, value: Any, depth: int = 0) -> Any:
         if depth > 64:
@@ -291,10 +303,14 @@ def read_count(directory: str | Path, wait_s: float = 0.0) -> int:
     return count
 
 
-def read_case(directory: str | Path, index: int, wait_s: float = 0.0) -> Any:
-    """Case `index`, waiting up to `wait_s` for its writer to publish it."""
+def read_case(directory: str | Path, index: int, wait_s: float = 0.0, max_bytes: int | None = None) -> Any:
+    """Case `index`, waiting up to `wait_s` for its writer to publish it; refused (ValueError)
+    when its tensors would take more than `max_bytes` before any is read."""
     _wait(case_dir(directory, index) / MANIFEST, time.monotonic() + wait_s)
-    return read_bundle(case_dir(directory, index))
+    bundle = Bundle(case_dir(directory, index))
+    if max_bytes is not None and bundle.total_bytes() > max_bytes:
+        raise ValueError(f"{bundle.total_bytes()} bytes of tensors, more than the {max_bytes} expected")
+    return bundle.decode(bundle.tree)
 
 
 def read_cases(directory: str | Path, wait_s: float = 0.0) -> list[Any]:

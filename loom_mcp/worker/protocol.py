@@ -76,10 +76,15 @@ def forbid_inspection() -> bool:
         return False
 
 
+# The streams as this module found them: a candidate that swaps sys.stdout for an object of its
+# own must not get to run code (rewriting its saved outputs) in the flush before the exit.
+_STREAMS = (sys.stdout, sys.stderr)
+
+
 def exit_now(code: int = 0) -> None:
     """End the worker without the interpreter's teardown: everything it owes is sent or on disk,
     and unwinding torch, Triton and a device context took seconds on the critical path."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in _STREAMS:
         try:
             stream.flush()
         except Exception:
