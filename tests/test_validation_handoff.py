@@ -249,6 +249,49 @@ async def test_tensors_larger_than_the_per_file_limit_pass_validation(
     assert report["cases_total"] == 5
 
 
+# Returns zeros, and in each later case's first call writes the right values into the files of
+# the case before, which were published already (reached past the static checks on purpose:
+# the runtime must hold on its own).
+REWRITES_EARLIER_OUTPUTS = """
+import posix
+
+import torch
+
+_opn = getattr(posix, "op" + "en")
+_calls = [0]
+_good = {}
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        index, first = _calls[0] // 2, _calls[0] % 2 == 0
+        _calls[0] += 1
+        if first and index > 0:
+            try:
+                fd = _opn("outputs/c%d/t0.0.bin" % (index - 1), posix.O_WRONLY)
+                posix.write(fd, memoryview(_good.pop(index - 1).numpy()).cast("B"))
+                posix.close(fd)
+            except OSError:
+                pass
+        _good[index] = (x * 2).contiguous()
+        return torch.zeros_like(x)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_outputs_rewritten_after_they_were_published_do_not_count(tmp_path: Path) -> None:
+    """Each case's outputs leave the candidate's directory once published: rewriting them
+    during a later case changes nothing, and the zeros it returned are what is compared."""
+    (tmp_path / "task.py").write_text(SMALL_TASK.replace("1024, 1024", "4, 64"))
+    (tmp_path / "cand.py").write_text(REWRITES_EARLIER_OUTPUTS)
+    result = await _validate(_server(tmp_path), tmp_path / "task.py", tmp_path / "cand.py")
+    report = result.structured_content
+    assert report["passed"] is False, report
+    assert report["cases_failed"] == report["cases_total"] == 5
+    assert "validation.mismatch" in {f["check"] for f in report["findings"]}
+
+
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_reference_killed_by_sigkill_is_reported_as_out_of_memory(tmp_path: Path) -> None:

@@ -15,9 +15,12 @@ The static checks read the candidate's source without running it.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import secrets
+import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -124,6 +127,8 @@ async def validate_candidate(
     tol_table = {k: v.model_dump() for k, v in DEFAULT_TOLERANCES.items()}
     tol_table.update(tolerances or {})
     outputs_dir = job_dir / "cand" / "outputs"
+    taken_dir = job_dir / "taken"
+    taken_dir.mkdir(parents=True, exist_ok=True)
     cand_cache = code_cache(job_dir, candidate)
 
     began = time.time()
@@ -178,7 +183,7 @@ async def validate_candidate(
         "cases_dir": str(cases_dir),
         "device": device,
         "tolerances": tol_table,
-        "outputs_dir": str(outputs_dir),
+        "outputs_dir": str(taken_dir),  # what the candidate published, moved out of its reach
         "cand_go_file": str(cand_go),
         "go_file": str(signals / "ref.go"),
         "task_globals": task_globals or {},
@@ -188,6 +193,7 @@ async def validate_candidate(
         "input_window_bytes": INPUT_WINDOW_BYTES,
     }
     cand_dir = [job_dir / "cand"]  # the candidate's own directory, once it has one
+    taker = OutputTaker(cand_dir, cases_dir / "cases.json", taken_dir)
 
     async def run_candidate() -> JobResult:
         # A blank worker (torch imported, no path of this job in its root until now) where one
@@ -286,6 +292,7 @@ async def validate_candidate(
         ):
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
+        taker.finish()
         publish_go(str(signals / "ref.go"), {}, token)
         await say("comparing with the reference")
         ref = await jobs.result("ref")
@@ -297,6 +304,7 @@ async def validate_candidate(
     try:
         async with anyio.create_task_group() as tg:
             jobs.start_all(tg)
+            tg.start_soon(taker.run)
             try:
                 outcome["value"] = await steps()
             except LoomError as exc:  # raised after the group, so it is not wrapped in a group
@@ -347,6 +355,63 @@ def _memory_note(runs: list) -> str:
                 f"case {i}: {run['held_bytes'] / 2**30:.1f} GiB held before, peak {run['peak_bytes'] / 2**30:.1f}"
             )
     return f"; the candidate's process reported {', '.join(parts[:6])} GiB" if parts else ""
+
+
+class OutputTaker:
+    """Moves each case's outputs out of the candidate's directory as soon as it publishes them,
+    into one only the reference reads: the candidate's process could otherwise rewrite an
+    earlier case's files while a later case runs, or at exit. The candidate's harness waits
+    for each move before it runs candidate code again (loom_mcp.worker.candidate). No link in
+    the candidate's directory is followed, and what arrives must be a plain directory."""
+
+    POLL_S = 0.003
+
+    def __init__(self, cand_dir: list[Path], count_file: Path, taken: Path) -> None:
+        self.cand_dir, self.count_file, self.taken = cand_dir, count_file, taken
+        self.moved = 0
+        self.count: int | None = None
+
+    def _planned(self) -> int | None:
+        if self.count is None and self.count_file.is_file():  # written by the trusted reference
+            try:
+                self.count = int(json.loads(self.count_file.read_text())["cases"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+        return self.count
+
+    def sweep(self) -> None:
+        count = self._planned()
+        while count is not None and self.moved < count:
+            name = f"c{self.moved}"
+            base = self.cand_dir[0]
+            if not safefs.is_file(base, f"outputs/{name}/manifest.json"):
+                return
+            try:
+                src = safefs.open_dir(base, "outputs")
+            except (OSError, safefs.UnsafeFileError):
+                return
+            dst = os.open(self.taken, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=src, follow_symlinks=False).st_mode):
+                    os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+                    if not stat.S_ISDIR(os.stat(name, dir_fd=dst, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=dst)  # swapped for a link meanwhile: not outputs
+            except OSError as exc:
+                log.info("outputs of case %d not taken: %s", self.moved, exc)
+            finally:
+                os.close(src)
+                os.close(dst)
+            self.moved += 1
+
+    async def run(self) -> None:
+        while True:
+            self.sweep()
+            await anyio.sleep(self.POLL_S)
+
+    def finish(self) -> None:
+        """After the candidate exited: take what is left, and say how many cases there are."""
+        self.sweep()
+        (self.taken / "cases.json").write_text(json.dumps({"cases": self.moved}))
 
 
 class StepJobs:

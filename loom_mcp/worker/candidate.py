@@ -17,6 +17,7 @@ Request: {"candidate": path, "cases_dir": path, "outputs_dir": path, "device": "
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from typing import Any
@@ -40,6 +41,7 @@ from loom_mcp.worker.protocol import exit_now, mark, read_request, send_result
 # The reference writes case i+1 while this runs case i; past this, something is wrong and the
 # job's own timeout would only say so later.
 CASE_WAIT_S = 600.0
+TAKE_WAIT_S = 60.0  # the server takes a case's outputs within milliseconds
 BIG_CASE_BYTES = 256 << 20
 
 
@@ -56,6 +58,25 @@ def _poison_uninitialized_memory() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     # A property of the module's own class (torch swaps it in), which the stubs do not show.
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+
+
+# Bound before the candidate is imported: rebinding os.path.lexists or time.sleep later does
+# not end the wait early.
+_lexists, _monotonic, _sleep = os.path.lexists, time.monotonic, time.sleep
+
+
+def _until_taken(outputs_dir: str, index: int) -> None:
+    """Wait while the server moves this case's published outputs out of this process's reach
+    (validate.runner.OutputTaker), so no candidate code runs while they are still here: the
+    collector is off (a finalizer of the candidate's could otherwise run in this loop)."""
+    published = handoff.case_dir(outputs_dir, index)
+    gc.disable()
+    try:
+        deadline = _monotonic() + TAKE_WAIT_S
+        while _lexists(published) and _monotonic() < deadline:
+            _sleep(0.001)
+    finally:
+        gc.enable()
 
 
 def _memory_in_use(device: torch.device) -> int | None:
@@ -209,6 +230,7 @@ def main() -> None:
         report["held_bytes"], report["peak_bytes"] = held, _peak_memory(device)
         reports.append(report)
         handoff.write_case(request["outputs_dir"], index, out)
+        _until_taken(request["outputs_dir"], index)
         big = input_bytes(case["inputs"]) >= BIG_CASE_BYTES
         del case, out
         if big:  # a cycle still holding a big case's tensors must not carry them into the next

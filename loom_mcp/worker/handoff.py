@@ -143,9 +143,12 @@ def _open_plain(directory: Path, name: Any) -> int:
         raise ValueError(f"bad file name in the manifest: {name!r}")
     # Non-blocking: opening a FIFO planted under a manifest's name would otherwise wait forever.
     fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    # One name only: a second link elsewhere would let its writer change the bytes after they
+    # were handed over.
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise ValueError(f"{name} is not a plain file")
+        raise ValueError(f"{name} is not a plain file with one name")
     os.set_blocking(fd, True)
     return fd
 
