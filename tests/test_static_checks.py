@@ -325,6 +325,61 @@ class ModelNew(nn.Module):
     def forward(self, a, b):
         return torch.matmul(a, b)
 '''),
+    "cheat_posix_files": ("static.io", '''\
+"""Cheat: rewrites its published outputs through posix, os's own module, by a computed name."""
+
+import posix
+
+import torch
+import torch.nn as nn
+
+_opn = getattr(posix, "op" + "en")
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        posix.write(_opn("outputs/c0/t0.0.bin", posix.O_WRONLY), b"\\0")
+        return torch.matmul(a, b)
+'''),
+    "cheat_fifo_and_modes": ("static.io", '''\
+"""Cheat: plants a FIFO under an output's name and locks its directory from the reference."""
+
+import os
+
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        os.mkfifo("outputs/pipe")
+        os.chmod("outputs", 0)
+        return torch.matmul(a, b)
+'''),
+    "cheat_stdout_via_os": ("static.monkeypatch", '''\
+"""Cheat: swaps sys.stdout, reached as os.sys, for an object that runs code at the exit's flush."""
+
+import os
+
+import torch
+import torch.nn as nn
+
+
+class _Late:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+os.sys.stdout = _Late()
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+'''),
 }
 WARN_ONLY = {
     "cheat_precision_downgrade": ("static.precision_downgrade", '''\

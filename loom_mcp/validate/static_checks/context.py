@@ -144,8 +144,17 @@ class Context:
         """Dotted name of a pure attribute chain rooted at an import or a builtin, else None.
 
         getattr(x, "lit") and vars(x) are followed, because they are the usual way to reach a
-        module attribute without writing its name.
-        """
+        module attribute without writing its name. `posix` (os's own implementation) is named
+        os, and `os.sys` sys: the same functions under another name."""
+        q = self._chain(node)
+        if q is None:
+            return None
+        for alias, canonical in (("posix", "os"), ("nt", "os"), ("os.sys", "sys")):
+            if q == alias or q.startswith(alias + "."):
+                return canonical + q[len(alias) :]
+        return q
+
+    def _chain(self, node: ast.AST) -> str | None:
         if isinstance(node, ast.Name):
             if node.id in self.aliases:
                 return self.aliases[node.id]

@@ -39,7 +39,8 @@ def _check_io(ctx: Context, call: Call) -> None:
     node, name, func = call.node, call.name, call.node.func
     if name == "builtins.open":
         _check_open(ctx, node)
-    elif name in IO_CALLS:
+    elif name in IO_CALLS or (name.endswith(".?") and name.split(".", 1)[0] in ("os", "io", "shutil")):
+        # The second form: a function of os/io/shutil fetched by a computed name (getattr).
         ctx.report(IO_CALL, node, name=name.removeprefix("builtins."))
     elif name in IO_WARNING_CALLS or name.startswith(IO_WARNING_PREFIXES):
         ctx.report(IO_WARNING_CALL, node, name=name)
