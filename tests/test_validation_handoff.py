@@ -450,18 +450,24 @@ def _outputs(cases_dir: Path, corrupt_index: int | None) -> list[list[torch.Tens
     return outputs
 
 
+def _start_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: dict):
+    """The worker's `validate` on a thread: (thread, its result box, (cases, outputs, cand.go,
+    ref.go) paths)."""
+    monkeypatch.setenv("LOOM_GO_SIGNER", TOKEN)
+    paths = (tmp_path / "cases", tmp_path / "outputs", tmp_path / "cand.go", tmp_path / "ref.go")
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(result=reference.validate({
+        **request, "cases_dir": str(paths[0]), "outputs_dir": str(paths[1]),
+        "cand_go_file": str(paths[2]), "go_file": str(paths[3])})))
+    worker.start()
+    return worker, box, paths
+
+
 def _validate_as_the_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: dict,
                                candidate: Callable[[Path], list]) -> dict[str, Any]:
     """Run the worker's `validate`; once it says the inputs are written, save what `candidate`
     returns for them and tell the worker the candidate has exited."""
-    monkeypatch.setenv("LOOM_GO_SIGNER", TOKEN)
-    cases_dir, outputs_dir = tmp_path / "cases", tmp_path / "outputs"
-    cand_go, ref_go = tmp_path / "cand.go", tmp_path / "ref.go"
-    box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(result=reference.validate({
-        **request, "cases_dir": str(cases_dir), "outputs_dir": str(outputs_dir),
-        "cand_go_file": str(cand_go), "go_file": str(ref_go)})))
-    worker.start()
+    worker, box, (cases_dir, outputs_dir, cand_go, ref_go) = _start_reference(tmp_path, monkeypatch, request)
     deadline = time.monotonic() + 120
     while not cand_go.exists() and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -553,14 +559,7 @@ def test_cases_stream_to_the_candidate_within_a_window_and_finished_ones_are_del
             handoff.write_case(outputs_dir, index, [out * (1.5 if index == 4 else 1)])
         handoff.write_count(outputs_dir, count)
 
-    monkeypatch.setenv("LOOM_GO_SIGNER", TOKEN)
-    cases_dir, outputs_dir = tmp_path / "cases", tmp_path / "outputs"
-    cand_go, ref_go = tmp_path / "cand.go", tmp_path / "ref.go"
-    box: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: box.update(result=reference.validate({
-        **request, "cases_dir": str(cases_dir), "outputs_dir": str(outputs_dir),
-        "cand_go_file": str(cand_go), "go_file": str(ref_go)})))
-    worker.start()
+    worker, box, (cases_dir, outputs_dir, cand_go, ref_go) = _start_reference(tmp_path, monkeypatch, request)
     go = wait_for_go(cand_go, timeout_s=60)  # signed by the reference, naming the case count
     assert go == {"cases": 6}
     candidate_one_at_a_time(cases_dir, outputs_dir)

@@ -119,13 +119,16 @@ class DeviceLease:
                 )
             await anyio.sleep(min(delay, remaining))
             delay = min(delay * 2, _POLL_MAX_S)
+        self._hold(fd)
+        return self
+
+    def _hold(self, fd: int) -> None:
         self._fd = fd
         try:
             self._write_holder()
         except BaseException:
             self._release()
             raise
-        return self
 
     def try_enter(self) -> bool:
         """Take the lease now if it is free (True), else False at once: a pool that picks among
@@ -136,12 +139,7 @@ class DeviceLease:
         fd = _try_lock(self._lock_path)
         if fd is None:
             return False
-        self._fd = fd
-        try:
-            self._write_holder()
-        except BaseException:
-            self._release()
-            raise
+        self._hold(fd)
         return True
 
     def release(self) -> None:
