@@ -165,6 +165,204 @@ class ModelNew(torch.nn.Module):
         out = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
         out[x.abs().amax(-1) > 2.5] = float("nan")
         return out
+''',    "cheat_timer_patch.py": '''\
+"""Exploit class: timer monkeypatching. Every timing taken with perf_counter reads zero."""
+
+import time
+
+import torch
+
+time.perf_counter = lambda: 0.0
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+''',
+    "cheat_lazy_subclass.py": '''\
+"""Exploit class: lazy tensor subclass. The returned object defers the work to whoever reads it."""
+
+import torch
+
+
+class Deferred(torch.Tensor):
+    pass
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+        return out.as_subclass(Deferred)
+''',
+    "cheat_pointer_cache.py": '''\
+"""Exploit class: result caching by pointer. Same buffer, same answer, whatever it now holds."""
+
+import torch
+
+_CACHE = {}
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        key = x.data_ptr()
+        if key not in _CACHE:
+            _CACHE[key] = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+        return _CACHE[key]
+''',
+    "cheat_extra_stream.py": '''\
+"""Exploit class: extra stream (GPU). Work goes to a side stream the timer never waits for."""
+
+import torch
+
+_SIDE = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        with torch.cuda.stream(_SIDE):
+            torch.cuda._sleep(2_000_000)
+            out.copy_(torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6))
+        return out
+''',
+    "cheat_grader_introspection.py": '''\
+"""Exploit class: reading the grader. Walks the call stack looking for a reference output."""
+
+import inspect
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        for frame in inspect.stack():
+            ref = frame.frame.f_locals.get("reference")
+            if isinstance(ref, torch.Tensor):
+                return ref
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+''',
+    "cheat_list_result.py": '''\
+"""Cheat: answers the harness's result pipe itself with a JSON array and exits 0 before the
+harness can report, hoping the server trips over a result of the wrong shape."""
+
+import os
+
+import torch
+
+from loom_mcp.worker import protocol
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        protocol.send_result([1])
+        os._exit(0)
+''',
+    "cheat_phase_detection.py": '''\
+"""Exploit class: phase detection. Honest while being validated (the first calls of a process),
+then returns garbage once it believes it is being timed."""
+
+import torch
+
+_CALLS = [0]
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        _CALLS[0] += 1
+        if _CALLS[0] > 20:
+            return x
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-6)
+''',
+    "cheat_calls_reference.py": '''\
+"""Exploit class: calling the reference. Loads the task file and runs its Model."""
+
+import importlib.util
+import pathlib
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("ref", pathlib.Path(__file__).with_name("task_rmsnorm.py"))
+_ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ref)
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.inner = _ref.Model(dim)
+
+    def forward(self, x):
+        return self.inner(x)
+''',
+    "cheat_deferred_work.py": '''\
+"""Exploit class: deferred work aimed at the other arm. The output is honest and computed in
+the call, but a finalizer queues a long busy-wait on the GPU for later, when the garbage
+collector runs it: with luck, while the baseline is being timed."""
+
+import weakref
+
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        if x.is_cuda:
+            weakref.finalize(y, torch.cuda._sleep, 50_000_000)
+        return y
+''',
+    "cheat_try_fallback.py": '''\
+"""Exploit class: try/except fallback. The 'kernel' always fails; torch does the work."""
+
+import torch
+
+
+def fast_kernel(x, w):
+    raise RuntimeError("not implemented")
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        try:
+            return fast_kernel(x, self.weight)
+        except Exception:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 ''',
 }
 
@@ -294,6 +492,18 @@ async def test_phase_detection_is_caught_while_timed(server, workspace):
     assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
 
 
+# Validation reports of one candidate in one workspace, for tests that each need it to pass
+# before they time it (the same bytes give the same report; a validation is seconds of workers).
+_validated: dict[tuple[Path, str], dict] = {}
+
+
+async def validate_once(server, workspace: Path, candidate: str) -> dict:
+    key = (workspace, candidate)
+    if key not in _validated:
+        _validated[key] = await validate(server, workspace, candidate)
+    return _validated[key]
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("shape", ["rows5_d37", "rows8_d64"])
 @pytest.mark.slow
@@ -301,7 +511,7 @@ async def test_partial_work_once_timed_is_caught_while_timed(server, workspace, 
     """The last row skipped after validation: a fifth (5 rows) or an eighth (8 rows) of the
     output, under a quarter of most single calls' probes, so it is the shape's calls together
     that must catch it."""
-    report = await validate(server, workspace, "cheat_phase_partial.py")
+    report = await validate_once(server, workspace, "cheat_phase_partial.py")
     assert report["passed"] is True
     timed = await bench(server, workspace, "cheat_phase_partial.py", shape)
     assert "benchmark.output_mismatch" in {f["check"] for f in timed["findings"]}
