@@ -184,6 +184,9 @@ def blank_server(tmp_path: Path, monkeypatch):
     (tmp_path / "other-campaign").mkdir()
     (tmp_path / "other-campaign" / "candidate.py").write_text("# another campaign's candidate\n")
     (tmp_path / "home").mkdir()
+    # A benchmark here is checked for where its processes ran, not for its CI: two blocks of
+    # fresh arms (the fewest allowed) instead of four.
+    (tmp_path / "home" / "loom.toml").write_text("[gate]\nwall_clock_blocks = 2\nwall_clock_max_blocks = 2\n")
     server = build_server(load_config(tmp_path / "home", environ={"LOOM_ALLOWED_ROOTS": str(tmp_path)}))
     yield server
     warm.discard_all()
@@ -233,6 +236,7 @@ async def test_a_benchmark_runs_its_arms_and_timer_in_blank_workers(blank_server
             result = await client.call_tool("benchmark", args)
             assert result.is_error is False, result.content
             assert result.structured_content["shapes"], result.structured_content
+            assert result.structured_content["blocks"] == 2
     runs = sorted((tmp_path / "home" / "jobs").glob("b*/timer"), key=lambda p: p.lstat().st_mtime)
     assert len(runs) == 2 and not runs[0].is_symlink()
     second = runs[1].parent

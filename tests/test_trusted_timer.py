@@ -252,12 +252,17 @@ async def test_outputs_as_large_as_the_baselines_are_timed_and_larger_ones_refus
     greedy = workspace / "outer" / "greedy.py"
     greedy.write_text(OUTER_TASK.replace("class Model", "class ModelNew").replace(
         "return a @ b", "return torch.cat([a @ b, a @ b])"))
-    server = build_server(load_config(workspace / "home",
-                                      environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
+    # Its own home: two blocks of fresh arms (the fewest allowed), each writing 273 MB outputs.
+    # What is checked is the slots' size, not the CI the other tests here need four blocks for.
+    home = workspace / "home-outer"
+    home.mkdir(exist_ok=True)
+    (home / "loom.toml").write_text("[gate]\nwall_clock_blocks = 2\nwall_clock_max_blocks = 2\n")
+    server = build_server(load_config(home, environ={"LOOM_ALLOWED_ROOTS": str(workspace)}))
     async with Client(server) as client:
         timed = await client.call_tool("benchmark", {"task": str(task), "candidate": str(honest)})
         refused = await client.call_tool("benchmark", {"task": str(task), "candidate": str(greedy)})
     assert timed.is_error is False, timed.content
+    assert timed.structured_content["blocks"] == 2
     assert timed.structured_content["shapes"][0]["speedup"] > 0
     assert refused.is_error is True
     text = refused.content[0].text
