@@ -76,17 +76,12 @@ def _device() -> str:
     return f"cuda:{int(ids[0])}" if ids else "cpu"
 
 
-def _sampler(device: str):
+def _sampler(info: dict[str, Any] | None):
     """Clock samples of the job's GPU, taken here where it is (throttled samples are dropped)."""
-    if not device.startswith("cuda:"):
+    if not info or info.get("vendor") not in ("nvidia", "amd"):
         return None
-    from loom_mcp.devices import probe_devices
-
-    index = int(device[5:])
-    gpus = [d for d in probe_devices()[0] if d.vendor != "cpu" and d.index == index]
-    if not gpus:
-        return None
-    if gpus[0].vendor == "nvidia":
+    index = int(info["index"])
+    if info["vendor"] == "nvidia":
         from loom_mcp.devices.nvidia import sample_clocks
 
         return lambda: sample_clocks(index)
@@ -144,6 +139,7 @@ def run_job(job: RemoteJob) -> RemoteResult:
             )
         )
         device = _device()
+        info = _device_info(device)  # probed once: the record and the clock samples
         job_dir = home / "jobs" / job.run_id
         task, candidate = files / job.task, files / job.candidate
         if job.step == "validate":
@@ -159,7 +155,7 @@ def run_job(job: RemoteJob) -> RemoteResult:
                 evidence=evidence.model_dump(mode="json"),
                 node=socket.gethostname(),
                 device=device,
-                device_info=_device_info(device),
+                device_info=info,
                 software=_software(),
                 started_at=started_at,
             )
@@ -170,7 +166,7 @@ def run_job(job: RemoteJob) -> RemoteResult:
         settings = dict(job.settings)
         gate = GateConfig.model_validate(settings.pop("gate"))
         peak = settings.pop("peak")
-        sampler = _sampler(device)
+        sampler = _sampler(info)
         before = sampler() if sampler else None
 
         async def benchmark():
@@ -194,7 +190,7 @@ def run_job(job: RemoteJob) -> RemoteResult:
             findings=[f.model_dump(mode="json") for f in findings],
             node=socket.gethostname(),
             device=device,
-            device_info=_device_info(device),
+            device_info=info,
             software=_software(),
             started_at=started_at,
             clocks_before=before,
