@@ -278,7 +278,7 @@ def _consumed(request: dict, index: int) -> bool:
 def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], dict]:
     """Plan the cases, write their inputs (and the reference's weights) for the candidate one
     case at a time, and keep them here. The candidate is told to start once the first case is
-    written; the next ones are made meanwhile. Inputs on disk are bounded (fits.INPUT_WINDOW):
+    written; the next ones are made meanwhile. Inputs on disk are bounded (fits.INPUT_WINDOW_BYTES):
     past it, a case is written once the candidate has finished an earlier one, whose files are
     then deleted."""
     cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
