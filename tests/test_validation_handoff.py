@@ -91,6 +91,74 @@ def test_a_case_bigger_than_expected_is_refused_before_it_is_read(tmp_path: Path
         handoff.read_case(tmp_path, 0, max_bytes=4095)
 
 
+def _host_lender(region: torch.Tensor, placed: list[int]):
+    """A lender over a host tensor standing in for a device region: the manifest logic is the
+    same whatever memory the region is (the device path itself: tests/test_lending_gpu.py)."""
+    def lend(tensor: torch.Tensor) -> dict[str, Any]:
+        at = sum(placed)
+        nbytes = tensor.numel() * tensor.element_size()
+        region[at:at + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        placed.append((nbytes + 255) // 256 * 256)
+        return {"handle": "ab" * 64, "size": region.numel(), "offset": at}
+    return lend
+
+
+def test_a_lent_tensor_is_opened_in_place_only_where_lending_is_accepted(tmp_path: Path) -> None:
+    region = torch.zeros(4096, dtype=torch.uint8)
+    x, w = torch.randn(8, 4), torch.arange(6, dtype=torch.int64)
+    handoff.write_case(tmp_path, 0, {"inputs": [x], "state_dict": {"w": w}, "seed": 3},
+                       lend=_host_lender(region, []))
+    assert not list((tmp_path / "c0").glob("*.bin"))  # nothing went to files
+    opened: list[tuple[str, int]] = []
+
+    def open_lent(handle: str, size: int) -> torch.Tensor:
+        opened.append((handle, size))
+        return region
+
+    case = handoff.read_case(tmp_path, 0, open_lent=open_lent)
+    assert torch.equal(case["inputs"][0], x) and torch.equal(case["state_dict"]["w"], w)
+    case["inputs"][0].zero_()  # in place: the region's bytes, no copy
+    assert not region[:128].any()
+    assert opened == [("ab" * 64, 4096)] * 2
+    # The trusted side never opens memory a candidate names.
+    with pytest.raises(ValueError, match="lent in device memory"):
+        handoff.read_case(tmp_path, 0)
+
+
+@pytest.mark.parametrize("attack", ["past_end", "negative", "size_mismatch", "not_int"])
+def test_a_lent_tensor_outside_its_region_is_refused(tmp_path: Path, attack: str) -> None:
+    region = torch.zeros(1024, dtype=torch.uint8)
+    handoff.write_case(tmp_path, 0, [torch.ones(64)], lend=_host_lender(region, []))
+    manifest = tmp_path / "c0" / "manifest.json"
+    text = manifest.read_text()
+    forged = {
+        "past_end": text.replace('"offset": 0', '"offset": 900'),
+        "negative": text.replace('"offset": 0', '"offset": -256'),
+        "size_mismatch": text.replace('"nbytes": 256', '"nbytes": 128'),
+        "not_int": text.replace('"offset": 0', '"offset": "0"'),
+    }[attack]
+    assert forged != text
+    manifest.write_text(forged)
+    with pytest.raises(ValueError):
+        handoff.read_case(tmp_path, 0, open_lent=lambda handle, size: region)
+
+
+def test_outputs_in_slots_resolve_to_the_trusted_copies_only(tmp_path: Path) -> None:
+    """A candidate's outputs may name the case's output slots; the trusted side reads them as
+    its own copies of the slots, and refuses slot names when it lent none or past the count."""
+    handoff.write_case(tmp_path, 0, handoff.slot_refs(2))
+    assert handoff.slot_case(tmp_path, 0)
+    copies = [torch.ones(3), torch.zeros(2)]
+    got = handoff.read_case(tmp_path, 0, slots=copies)
+    assert got[0] is copies[0] and got[1] is copies[1]
+    with pytest.raises(ValueError, match="output slot"):
+        handoff.read_case(tmp_path, 0)
+    with pytest.raises(ValueError, match="output slot"):
+        handoff.read_case(tmp_path, 0, slots=copies[:1])
+    handoff.write_case(tmp_path, 1, [torch.ones(3)])
+    assert not handoff.slot_case(tmp_path, 1) and not handoff.slot_case(tmp_path, 7)
+
+
 def test_the_candidates_directory_cannot_make_the_reference_fail(tmp_path: Path) -> None:
     """Whether the candidate is done with a case is asked of its directory: an error there (a
     mode that refuses us, a name too long) means not yet, never the reference's failure."""

@@ -35,7 +35,7 @@ from loom_mcp.judge_models import BenchmarkEvidence, Finding, GateConfig, TimerK
 from loom_mcp.models import DevicePeak
 from loom_mcp.placement import job_placement
 from loom_mcp.sandbox import JobSpec, code_cache, code_cache_env, safefs, warm
-from loom_mcp.sandbox.job import MODEL_JOB_ENV
+from loom_mcp.sandbox.job import MODEL_JOB_ENV, REFERENCE_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.sandbox.sources import code_files
 from loom_mcp.worker.guard import findings as guard_findings
@@ -74,7 +74,7 @@ async def benchmark_candidate(
     prep_template = JobSpec(
         argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
         job_dir=job_dir / "prep",
-        env=env,
+        env={**env, **REFERENCE_JOB_ENV},
         visible_devices=visible,
         timeout_s=timeout_s,
     )

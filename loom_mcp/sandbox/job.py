@@ -41,6 +41,10 @@ def code_cache_env(cache: Path) -> dict[str, str]:
 # compiled candidate was rejected as busy while idle. (Not for benchmark_command's workloads.)
 MODEL_JOB_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
+# For the trusted reference workers (validation's and the benchmark's input preparation, one
+# warm pool): the pid it takes before importing torch (protocol.BENCH_PIDS), as CUDA IPC needs.
+REFERENCE_JOB_ENV = {"LOOM_BENCH_ROLE": "reference"}
+
 
 class JobSpec(BaseModel):
     """One worker process to run in the sandbox."""

@@ -41,7 +41,7 @@ from loom_mcp.sandbox import (
     safefs,
     warm,
 )
-from loom_mcp.sandbox.job import MODEL_JOB_ENV
+from loom_mcp.sandbox.job import MODEL_JOB_ENV, REFERENCE_JOB_ENV
 from loom_mcp.sandbox.runner import Progress, supervise
 from loom_mcp.sandbox.sources import code_files
 from loom_mcp.validate.static_checks import check_candidate_source
@@ -102,8 +102,29 @@ def static_findings(candidate: Path) -> list[Finding]:
     return [f for _, found in per_file for f in found if not (has_kernel and f.check == "static.no_kernel")]
 
 
-async def validate_candidate(
+class _LendFailed(Exception):
+    """The candidate's process could not open device memory the reference lent it."""
+
+
+async def validate_candidate(**kwargs: Any) -> ValidationEvidence:
+    """Validate `candidate` against `task` (see _validate). Where the candidate's process cannot
+    open the device memory a big case is lent in (loom_mcp.worker.lending), the validation runs
+    again with every case in files: a limit of this machine is never the candidate's failure."""
+    try:
+        return await _validate(**kwargs, lend_on_device=True)
+    except _LendFailed as exc:
+        log.warning(
+            "validation %s: lending device memory failed (%s); again through files", kwargs.get("validation_id"), exc
+        )
+        job_dir = Path(kwargs["job_dir"])  # a sibling: the compile cache is found from the depth
+        return await _validate(
+            **{**kwargs, "job_dir": job_dir.with_name(job_dir.name + "-files")}, lend_on_device=False
+        )
+
+
+async def _validate(
     *,
+    lend_on_device: bool,
     task: Path,
     candidate: Path,
     job_dir: Path,
@@ -139,7 +160,7 @@ async def validate_candidate(
         JobSpec(
             argv=warm.warm_argv(sys.executable, "loom_mcp.worker.reference"),
             job_dir=job_dir / "ref",
-            env=env,
+            env={**env, **REFERENCE_JOB_ENV},
             visible_devices=visible,
             timeout_s=timeout_s,
             max_file_bytes=JOB_FILE_BYTES,
@@ -191,6 +212,7 @@ async def validate_candidate(
         "candidate_memory_limit_bytes": cand_memory,
         "disk_limit_bytes": policy.current().disk_bytes,
         "input_window_bytes": INPUT_WINDOW_BYTES,
+        "lend_on_device": lend_on_device,
     }
     cand_dir = [job_dir / "cand"]  # the candidate's own directory, once it has one
     taker = OutputTaker(cand_dir, cases_dir / "cases.json", taken_dir)
@@ -264,6 +286,8 @@ async def validate_candidate(
             Finding(**f) for f in guard_findings(reported if isinstance(reported, list) else None, cand.stderr_tail)
         )
         log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s, cand.timeline(began))
+        if cand_result is not None and cand_result.get("lend_error"):
+            raise _LendFailed(str(cand_result["lend_error"])[:300])
         if cand_result is None and out_of_memory(cand) and not cand.memory_exceeded:
             # Killed by the kernel for the machine's memory, not for its own limit: the problem
             # is too big for this machine, whichever process the kernel picked.
@@ -307,7 +331,7 @@ async def validate_candidate(
             tg.start_soon(taker.run)
             try:
                 outcome["value"] = await steps()
-            except LoomError as exc:  # raised after the group, so it is not wrapped in a group
+            except (LoomError, _LendFailed) as exc:  # raised after the group, so not wrapped in one
                 outcome["error"] = exc
             finally:
                 tg.cancel_scope.cancel()  # ends any job still waiting for a go that will not come
@@ -330,6 +354,11 @@ async def validate_candidate(
         ref.wall_s,
         ref.timeline(began),
     )
+    lent = ref.result.get("lent_cases")
+    if lent:
+        log.info(
+            "validation %s: %s of %d case(s) lent in device memory", validation_id, lent, len(ref.result["planned"])
+        )
     cases = build_cases(ref.result["planned"], cand_result["cases"], ref.result["cases"], findings)
     errors = [str(run.get("error") or "") for run in cand_result["cases"] if isinstance(run, dict)]
     if errors and all(_GPU_FULL.search(e) for e in errors if e) and any(errors):

@@ -20,12 +20,13 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from loom_mcp.worker import cuda_ipc, handoff, harness, lending, protocol, under_test
 from loom_mcp.worker import guard as guard_module
-from loom_mcp.worker import handoff, harness, protocol, under_test
 from loom_mcp.worker.harness import (
     as_output_list,
     build_model,
@@ -65,9 +66,10 @@ def _poison_uninitialized_memory() -> None:
 _lexists, _monotonic, _sleep = os.path.lexists, time.monotonic, time.sleep
 
 
-def _until_taken(outputs_dir: str, index: int) -> None:
+def _until_taken(outputs_dir: str, index: int, mark_file: Path | None = None) -> None:
     """Wait while the server moves this case's published outputs out of this process's reach
-    (validate.runner.OutputTaker), so no candidate code runs while they are still here: the
+    (validate.runner.OutputTaker) and, for outputs in the reference's slots, until the reference
+    has copied them (`mark_file`), so no candidate code runs while they are still here: the
     collector is off (a finalizer of the candidate's could otherwise run in this loop)."""
     published = handoff.case_dir(outputs_dir, index)
     gc.disable()
@@ -75,8 +77,29 @@ def _until_taken(outputs_dir: str, index: int) -> None:
         deadline = _monotonic() + TAKE_WAIT_S
         while _lexists(published) and _monotonic() < deadline:
             _sleep(0.001)
+        while mark_file is not None and not _lexists(mark_file) and _monotonic() < deadline:
+            _sleep(0.001)
     finally:
         gc.enable()
+
+
+def _publish(outputs_dir: str, index: int, out: list | None, slots: Any, device: torch.device) -> bool:
+    """Publish case `index`'s outputs: copied into the reference's output slots when it lent
+    them and they match in number, dtype and shape, else written to files. True for slots."""
+    fits = (
+        out is not None
+        and isinstance(slots, list)
+        and len(slots) == len(out)
+        and all(s.dtype == o.dtype and s.shape == o.shape for s, o in zip(slots, out))
+    )
+    if fits:
+        for slot, o in zip(slots, out):  # type: ignore[arg-type]
+            slot.copy_(o)
+        synchronize(device)
+        handoff.write_case(outputs_dir, index, handoff.slot_refs(len(slots)))
+        return True
+    handoff.write_case(outputs_dir, index, [o.to("cpu") for o in out] if out is not None else None)
+    return False
 
 
 def _memory_in_use(device: torch.device) -> int | None:
@@ -185,7 +208,7 @@ def run_case(
         report["deterministic"] = len(first) == len(second) and all(
             type(b) is torch.Tensor and _same_bits(a, b) for a, b in zip(first, second)
         )
-        return report, [o.detach().to("cpu") for o in first]
+        return report, [o.detach() for o in first]
     except Exception as exc:  # the candidate's failure is a finding, not a worker crash
         report["error"] = user_traceback(exc, candidate_file)
         return report, None
@@ -201,8 +224,10 @@ def main() -> None:
     # The audit hook goes in before the candidate is imported, and what it found is read
     # through a local variable (candidate code reaches module globals through sys.modules, not
     # this function's locals). See loom_mcp.worker.guard.
+    cuda_ipc.available(device)  # the driver library is loaded now, before any candidate code
     violations = guard_module.install(
-        [request["candidate"]], watch=[sys.modules[__name__], harness, handoff, protocol, under_test, guard_module]
+        [request["candidate"]],
+        watch=[sys.modules[__name__], harness, handoff, protocol, under_test, guard_module, cuda_ipc, lending],
     ).violations
     send = send_result
     try:
@@ -221,16 +246,24 @@ def main() -> None:
     mark("inputs_opened")
     # One case at a time: its inputs are read (a single file is mapped, not copied) just before
     # it runs and its outputs written as soon as it returns, so no worker holds every case.
-    reports = []
+    reports: list[dict] = []
+    # Cases the reference lends in device memory (loom_mcp.worker.lending) are opened in place.
+    open_lent = (lambda handle, size: cuda_ipc.open_region(handle, size, device)) if device.type == "cuda" else None
     for index in range(count):
-        case = handoff.read_case(request["cases_dir"], index, wait_s=CASE_WAIT_S)
+        try:
+            case = handoff.read_case(request["cases_dir"], index, wait_s=CASE_WAIT_S, open_lent=open_lent)
+        except cuda_ipc.IpcError as exc:  # this machine's, not the candidate's: the server retries with files
+            send({"load_error": None, "cases": reports, "lend_error": str(exc), "guard": violations()})
+            return
         held = _memory_in_use(device)
         report, out = run_case(model_cls, case, device, request["candidate"], left_running, threads_before)
         # Advisory, for a message when the device runs out: what this process held going in.
         report["held_bytes"], report["peak_bytes"] = held, _peak_memory(device)
         reports.append(report)
-        handoff.write_case(request["outputs_dir"], index, out)
-        _until_taken(request["outputs_dir"], index)
+        in_slots = _publish(request["outputs_dir"], index, out, case.get("slots"), device)
+        _until_taken(
+            request["outputs_dir"], index, lending.taken_mark(request["cases_dir"], index) if in_slots else None
+        )
         big = input_bytes(case["inputs"]) >= BIG_CASE_BYTES
         del case, out
         if big:  # a cycle still holding a big case's tensors must not carry them into the next

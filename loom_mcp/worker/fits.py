@@ -6,6 +6,7 @@ too big fails early with sizes and what to do (RESOURCE_LIMIT), never as the tas
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +63,37 @@ def case_sizes(task, shape: dict) -> dict[str, int] | None:
     return sizes
 
 
+def output_specs(task, shape: dict) -> list[tuple[torch.dtype, list[int]]] | None:
+    """(dtype, shape) of each output the Model returns for `shape`, from the meta device; None
+    when it cannot run there or returns anything but tensors."""
+    try:
+        with torch.device("meta"):
+            inputs: list = list(call_with_shape(task.get_inputs, shape))
+        init_fn = getattr(task, "get_init_inputs", None)
+        init = list(call_with_shape(init_fn, shape)) if init_fn else []
+        with torch.device("meta"), torch.no_grad():
+            outputs = as_output_list(task.Model(*init)(*inputs))
+    except Exception:
+        return None
+    if not outputs or not all(type(o) is torch.Tensor and o.device.type == "meta" for o in outputs):
+        return None
+    return [(o.dtype, list(o.shape)) for o in outputs]
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> dict[str, Any] | None:
+def check_fits(
+    task, cases: list[dict], request: dict, device: torch.device, lent: Callable[[int], bool] | None = None
+) -> dict[str, Any] | None:
     """Fail early, with sizes and what to do, when the cases cannot fit: before any input is
     made. What is counted (the model's own temporaries are not): the reference keeps every
     case's inputs to compare on, and computes and compares one case at a time in float64; the
     candidate clones a case's inputs twice (the pristine copy and the rerun's) and keeps three
     copies of its outputs (returned, snapshot, rerun). Returns the estimate, None when the task
-    cannot be sized."""
+    cannot be sized. `lent(bytes)`: whether a case of that many bytes in and out is lent in
+    device memory (loom_mcp.worker.lending): it takes no disk."""
     per_shape: dict[str, dict[str, int]] = {}
     for case in cases:
         name = case["shape"]["name"]
@@ -139,9 +160,10 @@ def check_fits(task, cases: list[dict], request: dict, device: torch.device) -> 
     # Disk: the inputs of the cases in the window (see INPUT_WINDOW_BYTES), every case's outputs.
     disk_limit = int(request.get("disk_limit_bytes") or 0)
     window = int(request.get("input_window_bytes") or INPUT_WINDOW_BYTES)
+    on_disk = [s for s in sized if lent is None or not lent(s["inputs"] + s["outputs"])]
     written = {
-        "inputs": inputs_on_disk([s["inputs"] for s in sized], window),
-        "outputs": sum(s["outputs"] for s in sized),
+        "inputs": inputs_on_disk([s["inputs"] for s in on_disk], window) if on_disk else 0,
+        "outputs": sum(s["outputs"] for s in on_disk),
     }
     for which, size in written.items():
         if disk_limit and size > disk_limit:

@@ -13,6 +13,13 @@ written by one process and only read by the other.
 The manifest is plain JSON: a reader trusts nothing in it but names it checks (file names are
 plain, dtypes are torch's, sizes must match the files). Values other than tensors are JSON:
 numbers, strings, booleans, None, lists, tuples, dicts with string keys, torch dtypes.
+
+On an NVIDIA GPU a writer may lend a tensor instead of writing it: the tensor sits in a device
+region the writer allocated (loom_mcp.worker.cuda_ipc) and the manifest names the region's handle
+and the offset. Only a reader that is given `open_lent` accepts such entries: the candidate takes
+its inputs that way, the trusted side never opens memory named by the candidate. A candidate's
+outputs may name the case's output slots (`{"__slot__": k}`) instead, which the trusted side
+resolves to its own copies of those slots.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import os
 import resource
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +80,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Slot:
+    """An output that lies in output slot `index` of its case (written `{"__slot__": index}`)."""
+
+    index: int
+
+
+# Lends a tensor: the region's {"handle", "size", "offset"} once its bytes are there, or None to
+# write it to files after all.
+Lender = Callable[[torch.Tensor], dict[str, Any] | None]
+# Opens a lent region by handle and size: its bytes as a uint8 tensor.
+RegionOpener = Callable[[str, int], torch.Tensor]
+
+
 class BundleWriter:
     """Writes tensors as they come (each one's bytes go to disk at once, so a worker need not
-    hold every case in memory), then the manifest naming them. `close(tree)` publishes it."""
+    hold every case in memory), then the manifest naming them. `close(tree)` publishes it.
+    With `lend`, a tensor it takes is lent in device memory instead of written."""
 
-    def __init__(self, directory: str | Path, chunk_bytes: int | None = None) -> None:
+    def __init__(self, directory: str | Path, chunk_bytes: int | None = None, lend: Lender | None = None) -> None:
+        self.lend = lend
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         limit = _file_limit()
@@ -86,6 +111,13 @@ class BundleWriter:
     def _write_tensor(self, tensor: torch.Tensor) -> int:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise TypeError(f"cannot hand over a {tensor.layout} tensor")
+        lent = self.lend(tensor) if self.lend is not None else None
+        if lent is not None:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.tensors.append(
+                {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "nbytes": nbytes, "lent": lent}
+            )
+            return len(self.tensors) - 1
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
         view = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")  # type: ignore[arg-type]
@@ -114,6 +146,8 @@ class BundleWriter:
             return {"__tensor__": self._write_tensor(value)}
         if isinstance(value, torch.dtype):
             return {"__dtype__": _dtype_name(value)}
+        if isinstance(value, Slot):
+            return {"__slot__": value.index}
         if isinstance(value, tuple):
             return {"__tuple__": [self.encode(v) for v in value]}
         if isinstance(value, list):
@@ -133,8 +167,8 @@ class BundleWriter:
         os.rename(tmp, self.directory / MANIFEST)
 
 
-def write_bundle(directory: str | Path, value: Any, chunk_bytes: int | None = None) -> None:
-    writer = BundleWriter(directory, chunk_bytes)
+def write_bundle(directory: str | Path, value: Any, chunk_bytes: int | None = None, lend: Lender | None = None) -> None:
+    writer = BundleWriter(directory, chunk_bytes, lend)
     writer.close(writer.encode(value))
 
 
@@ -153,7 +187,19 @@ def _open_plain(directory: Path, name: Any) -> int:
     return fd
 
 
-def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
+def _lent_tensor(lent: Any, dtype: torch.dtype, shape: list[int], nbytes: int, open_lent: RegionOpener) -> torch.Tensor:
+    if not isinstance(lent, dict):
+        raise ValueError("bad lent tensor in the manifest")
+    handle, size, offset = lent.get("handle"), lent.get("size"), lent.get("offset")
+    if not isinstance(handle, str) or type(size) is not int or type(offset) is not int:
+        raise ValueError("bad lent tensor in the manifest")
+    if offset < 0 or offset + nbytes > size:
+        raise ValueError("a lent tensor lies outside its region")
+    region = open_lent(handle, size)
+    return region[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def _read_tensor(directory: Path, entry: Any, open_lent: RegionOpener | None = None) -> torch.Tensor:
     if not isinstance(entry, dict):
         raise ValueError("bad tensor entry in the manifest")
     dtype = _dtype(entry.get("dtype"))
@@ -161,6 +207,12 @@ def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
     if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
         raise ValueError(f"bad shape in the manifest: {shape!r}")
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if "lent" in entry:
+        if open_lent is None:
+            raise ValueError("a tensor lent in device memory, where only files are accepted")
+        if entry.get("nbytes") != nbytes:
+            raise ValueError("tensor size in the manifest does not match its shape")
+        return _lent_tensor(entry["lent"], dtype, shape, nbytes, open_lent)
     chunks = entry.get("chunks")
     if not isinstance(chunks, list) or entry.get("nbytes") != nbytes:
         raise ValueError("tensor size in the manifest does not match its shape")
@@ -198,9 +250,14 @@ def _read_tensor(directory: Path, entry: Any) -> torch.Tensor:
 
 class Bundle:
     """A bundle opened for reading: `tree` is its manifest's JSON, `decode(part)` turns a part of
-    it into values, reading the tensors it names then (so a worker can take one case at a time)."""
+    it into values, reading the tensors it names then (so a worker can take one case at a time).
+    `open_lent`: accept tensors lent in device memory (see the module's docstring); `slots`: what
+    `{"__slot__": k}` stands for (else such a value is refused)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(
+        self, directory: str | Path, open_lent: RegionOpener | None = None, slots: list[torch.Tensor] | None = None
+    ) -> None:
+        self.open_lent, self.slots = open_lent, slots
         self.directory = Path(directory)
         fd = _open_plain(self.directory, MANIFEST)
         with open(fd, "rb") as f:
@@ -217,8 +274,9 @@ class Bundle:
         self.tree: Any = manifest.get("tree")
 
     def total_bytes(self) -> int:
-        """The bytes its manifest says its tensors hold (checked as each is read)."""
-        sizes = [e.get("nbytes") for e in self.entries if isinstance(e, dict)]
+        """The bytes its manifest says its tensors hold in files (checked as each is read)."""
+        sizes = [e.get("nbytes") for e in self.entries if isinstance(e, dict) and "lent" not in e]
+        sizes += [0 for e in self.entries if isinstance(e, dict) and "lent" in e]
         checked = [n for n in sizes if type(n) is int and n >= 0]
         if len(checked) != len(self.entries):
             raise ValueError("bad tensor sizes in the manifest")
@@ -236,7 +294,11 @@ class Bundle:
             if kind == "__tensor__":
                 if type(inner) is not int or not 0 <= inner < len(self.entries):
                     raise ValueError("bad tensor index in the manifest")
-                return _read_tensor(self.directory, self.entries[inner])
+                return _read_tensor(self.directory, self.entries[inner], self.open_lent)
+            if kind == "__slot__":
+                if self.slots is None or type(inner) is not int or not 0 <= inner < len(self.slots):
+                    raise ValueError("bad output slot in the manifest")
+                return self.slots[inner]
             if kind == "__dtype__":
                 return _dtype(inner)
             if kind == "__tuple__" and isinstance(inner, list):
@@ -268,8 +330,23 @@ def case_dir(directory: str | Path, index: int) -> Path:
     return Path(directory) / f"c{index}"
 
 
-def write_case(directory: str | Path, index: int, value: Any) -> None:
-    write_bundle(case_dir(directory, index), value)
+def write_case(directory: str | Path, index: int, value: Any, lend: Lender | None = None) -> None:
+    write_bundle(case_dir(directory, index), value, lend=lend)
+
+
+def slot_refs(count: int) -> list[Slot]:
+    """A case's outputs, each in the output slot of its position."""
+    return [Slot(k) for k in range(count)]
+
+
+def slot_case(directory: str | Path, index: int) -> bool:
+    """Whether case `index`'s published outputs name output slots (read from its manifest's
+    JSON only; anything unreadable is no slot case)."""
+    try:
+        tree = Bundle(case_dir(directory, index)).tree
+    except (OSError, ValueError):
+        return False
+    return isinstance(tree, list) and any(isinstance(v, dict) and "__slot__" in v for v in tree)
 
 
 def write_count(directory: str | Path, count: int) -> None:
@@ -306,11 +383,19 @@ def read_count(directory: str | Path, wait_s: float = 0.0) -> int:
     return count
 
 
-def read_case(directory: str | Path, index: int, wait_s: float = 0.0, max_bytes: int | None = None) -> Any:
+def read_case(
+    directory: str | Path,
+    index: int,
+    wait_s: float = 0.0,
+    max_bytes: int | None = None,
+    open_lent: RegionOpener | None = None,
+    slots: list[torch.Tensor] | None = None,
+) -> Any:
     """Case `index`, waiting up to `wait_s` for its writer to publish it; refused (ValueError)
-    when its tensors would take more than `max_bytes` before any is read."""
+    when its tensors would take more than `max_bytes` of files before any is read. `open_lent`
+    and `slots` as for Bundle."""
     _wait(case_dir(directory, index) / MANIFEST, time.monotonic() + wait_s)
-    bundle = Bundle(case_dir(directory, index))
+    bundle = Bundle(case_dir(directory, index), open_lent, slots)
     if max_bytes is not None and bundle.total_bytes() > max_bytes:
         raise ValueError(f"{bundle.total_bytes()} bytes of tensors, more than the {max_bytes} expected")
     return bundle.decode(bundle.tree)

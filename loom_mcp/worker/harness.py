@@ -122,7 +122,7 @@ def _generate_inputs(
         return list(_call_with_shape(task.get_inputs, shape))
     try:
         with device:  # factory calls without a device land on the accelerator
-            return [x.cpu() if isinstance(x, torch.Tensor) else x for x in _call_with_shape(task.get_inputs, shape)]
+            return list(_call_with_shape(task.get_inputs, shape))
     except torch.OutOfMemoryError:
         if not host_fallback:  # drawn on the host they would be other numbers
             raise
@@ -140,6 +140,7 @@ def make_case(
     kind: str,
     device: torch.device | None = None,
     host_fallback: bool = True,
+    on_device: bool = False,
 ) -> tuple[list, list]:
     """(inputs, init_inputs) for one case, returned on the CPU, bit-for-bit reproducible from the
     seed on a given kind of device. With an accelerator `device`, the task's random inputs are
@@ -147,18 +148,22 @@ def make_case(
     CPU took 4-5 s of the critical path and its threads slowed the candidate's start-up beside it.
     (The same seed draws different numbers on a CPU and on a GPU; each is reproducible.)
     host_fallback: a draw that fails on the device is made on the host instead; off where the
-    numbers must match an earlier draw (out of memory then raises)."""
+    numbers must match an earlier draw (out of memory then raises). on_device: the inputs stay
+    where they were drawn."""
     inputs = _generate_inputs(task, shape, seed, device, host_fallback)
     init_fn = getattr(task, "get_init_inputs", None)
     init_inputs = list(_call_with_shape(init_fn, shape)) if init_fn else []
     on = device if device is not None and device.type != "cpu" else None
     generators: dict[str, torch.Generator] = {}
+    # One copy to the host at the end (none with `on_device`): a 6 GiB input went there and back.
     inputs = [
-        _transform(x.to(on) if on is not None else x, kind, seed, generators).cpu()
+        _transform(x.to(on) if on is not None else x, kind, seed, generators)
         if isinstance(x, torch.Tensor) and x.is_floating_point()
         else x
         for x in inputs
     ]
+    if not on_device:
+        inputs = [x.cpu() if isinstance(x, torch.Tensor) else x for x in inputs]
     return inputs, init_inputs
 
 

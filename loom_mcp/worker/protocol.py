@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -139,7 +140,9 @@ def publish_go(path: str, payload: dict[str, Any], token: str) -> None:
 # handle (the timer waited on the wrong arm's event) and collided with the timer's. Each process
 # of a benchmark takes a pid of its own before it imports anything that starts threads (a thread
 # takes a pid too), so in a fresh namespace the numbers below are exact.
-BENCH_PIDS = {"baseline": 3, "candidate": 4, "timer": 5}
+# The trusted reference takes one too: validation lends a candidate device memory by CUDA IPC
+# (loom_mcp.worker.cuda_ipc), and the candidate starts as pid 2 of its own namespace.
+BENCH_PIDS = {"baseline": 3, "candidate": 4, "timer": 5, "reference": 6}
 
 
 def take_pid(target: int) -> None:
@@ -151,6 +154,10 @@ def take_pid(target: int) -> None:
         if child:
             _, status = os.waitpid(child, 0)
             code = os.waitstatus_to_exitcode(status)
+            if code < 0:  # die of the same signal: a SIGKILL is how the server tells an OOM kill
+                if -code not in (signal.SIGKILL, signal.SIGSTOP):
+                    signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
             os._exit(code if code >= 0 else 128 - code)
 
 

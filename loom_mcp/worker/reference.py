@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from loom_mcp.worker import handoff
+from loom_mcp.worker import cuda_ipc, handoff, lending
 from loom_mcp.worker.closeness import REF_ERROR_FACTOR as REF_ERROR_FACTOR  # re-exported
 from loom_mcp.worker.closeness import RTOL_FLOOR as RTOL_FLOOR  # re-exported
 from loom_mcp.worker.closeness import compare_one, degenerate, reference_stats
 from loom_mcp.worker.closeness import scale_rules as scale_rules  # re-exported
-from loom_mcp.worker.fits import INPUT_WINDOW_BYTES, INPUT_WINDOW_CASES, ResourceLimit, check_fits
+from loom_mcp.worker.fits import INPUT_WINDOW_BYTES, INPUT_WINDOW_CASES, ResourceLimit, check_fits, output_specs
 from loom_mcp.worker.fits import case_sizes as case_sizes  # re-exported
 from loom_mcp.worker.harness import (
     INPUT_KINDS,
@@ -275,46 +275,66 @@ def _consumed(request: dict, index: int) -> bool:
     return isinstance(go, str) and os.path.exists(go)
 
 
-def _prepare_cases(task, request: dict, device: torch.device) -> tuple[list[dict], list[tuple[list, list]], dict]:
-    """Plan the cases, write their inputs (and the reference's weights) for the candidate one
-    case at a time, and keep them here. The candidate is told to start once the first case is
-    written; the next ones are made meanwhile. Inputs on disk are bounded (fits.INPUT_WINDOW_BYTES):
-    past it, a case is written once the candidate has finished an earlier one, whose files are
-    then deleted."""
+def _lender(request: dict, device: torch.device, count: int) -> lending.CaseLender | None:
+    if not count or not cuda_ipc.available(device) or not request.get("lend_on_device", True):
+        return None
+    return lending.CaseLender(device, request, count, lending.budget_bytes(device))
+
+
+def _prepare_cases(
+    task, request: dict, device: torch.device
+) -> tuple[list[dict], list[tuple[list, list]], dict, lending.CaseLender | None]:
+    """Plan the cases, hand over their inputs (and the reference's weights) one case at a time,
+    and keep them here. The candidate is told to start once the first case is out; the next ones
+    are made meanwhile. On an NVIDIA GPU a big case is lent in device memory (loom_mcp.worker.
+    lending); others go to files, bounded on disk (fits.INPUT_WINDOW_BYTES): past the window, a
+    case is written once the candidate has finished an earlier one, whose files are then deleted."""
     cases = plan_cases(task, request["seeds"], request.get("shapes"), secret_nonce(request))
-    estimate = check_fits(task, cases, request, device) or {}
+    lender = _lender(request, device, len(cases))
+    estimate = check_fits(task, cases, request, device, lender.wants_bytes if lender else None) or {}
+    if lender is not None:
+        lender.reserve = max(estimate.get("case_reference_bytes") or [0])
     cases_dir = request["cases_dir"]
+    specs: dict[str, Any] = {}
     handoff.write_count(cases_dir, len(cases))
     kept: list[tuple[list, list]] = []
     window = int(request.get("input_window_bytes") or INPUT_WINDOW_BYTES)
     pending: dict[int, int] = {}  # written, not yet finished by the candidate: bytes per case
     for index, case in enumerate(cases):
-        inputs, init_inputs = make_case(task, case["shape"], case["seed"], case["kind"], device)
+        # Kept on the host; lent from where they were drawn (one copy to the host, not two).
+        inputs, init_inputs = make_case(
+            task, case["shape"], case["seed"], case["kind"], device, on_device=lender is not None
+        )
         model = build_reference(task, init_inputs, case["seed"])
         state = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else {}
-        size = input_bytes(inputs) + input_bytes(list(state.values()))
-        delay = 0.002
-        while True:
-            for done in [i for i in pending if _consumed(request, i)]:
-                del pending[done]
-                shutil.rmtree(handoff.case_dir(cases_dir, done), ignore_errors=True)
-            if len(pending) < INPUT_WINDOW_CASES or sum(pending.values()) + size <= window:
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        handoff.write_case(
-            cases_dir, index, {"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs, "state_dict": state}
-        )
-        pending[index] = size
-        kept.append((inputs, init_inputs))
-        del model, state
+        value = {"seed": case["seed"], "inputs": inputs, "init_inputs": init_inputs, "state_dict": state}
+        name = case["shape"]["name"]
+        if lender is not None and name not in specs:
+            specs[name] = output_specs(task, case["shape"])
+        tensors = [*inputs, *init_inputs, *state.values()]
+        lent = lender is not None and lender.wants(tensors, specs[name]) and lender.lend_case(index, value, specs[name])
+        if not lent:
+            size = input_bytes(inputs) + input_bytes(list(state.values()))
+            delay = 0.002
+            while True:
+                for done in [i for i in pending if _consumed(request, i)]:
+                    del pending[done]
+                    shutil.rmtree(handoff.case_dir(cases_dir, done), ignore_errors=True)
+                if len(pending) < INPUT_WINDOW_CASES or sum(pending.values()) + size <= window:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            handoff.write_case(cases_dir, index, value)
+            pending[index] = size
+        kept.append(([x.cpu() if isinstance(x, torch.Tensor) else x for x in inputs], init_inputs))
+        del model, state, value, tensors, inputs
         if index == 0:
-            mark("first_case_written")
+            mark("first_case_lent" if lent else "first_case_written")
             _tell_candidate(request, len(cases))
     if not cases:
         _tell_candidate(request, 0)
     mark("inputs_written")
-    return cases, kept, estimate
+    return cases, kept, estimate, lender
 
 
 def inputs_reproducible(task, cases: list[dict], kept: list[tuple[list, list]], device: torch.device) -> bool:
@@ -324,11 +344,24 @@ def inputs_reproducible(task, cases: list[dict], kept: list[tuple[list, list]], 
     if not cases:
         return True
     try:
-        again, _ = make_case(task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device, host_fallback=False)
+        again, _ = make_case(
+            task, cases[0]["shape"], cases[0]["seed"], cases[0]["kind"], device, host_fallback=False, on_device=True
+        )
+        if input_bytes(again) >= 1 << 30:  # compared where it was drawn: hashing 6 GiB took seconds
+            return len(again) == len(kept[0][0]) and all(
+                _same_tensor(a, k) if isinstance(a, torch.Tensor) else repr(a) == repr(k)
+                for a, k in zip(again, kept[0][0])
+            )
     except torch.OutOfMemoryError:  # the candidate holds the device now: no way to tell, no blame
         torch.cuda.empty_cache()
         return True
     return tensor_digest(again) == tensor_digest(kept[0][0])
+
+
+def _same_tensor(a: torch.Tensor, b: Any) -> bool:
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.to(a.device).reshape(-1).view(torch.uint8)))
 
 
 class CandidateOutputs:
@@ -344,13 +377,19 @@ class CandidateOutputs:
         except (OSError, ValueError, TypeError) as exc:
             self.problem = f"the candidate's saved outputs could not be read: {type(exc).__name__}: {exc}"
 
-    def get(self, index: int, max_bytes: int | None = None) -> tuple[list[torch.Tensor] | None, str | None]:
+    def get(
+        self, index: int, max_bytes: int | None = None, lender: lending.CaseLender | None = None
+    ) -> tuple[list[torch.Tensor] | None, str | None]:
         """(case `index`'s outputs, or None; why they could not be read, or None). Outputs of
-        more than `max_bytes` (the reference's own, with room) are not read at all."""
+        more than `max_bytes` (the reference's own, with room) are not read at all. Outputs the
+        candidate put in the case's output slots are the lender's copies of them."""
         if self.problem or index >= self.count:
             return None, self.problem
+        slots, missing = lender.outputs(index) if lender is not None else (None, None)
+        if missing:
+            return None, missing
         try:
-            got = handoff.read_case(self.directory, index, max_bytes=max_bytes)
+            got = handoff.read_case(self.directory, index, max_bytes=max_bytes, slots=slots)
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             return None, f"the candidate's saved outputs could not be read: {type(exc).__name__}: {exc}"
         if got is not None and not (isinstance(got, list) and all(isinstance(t, torch.Tensor) for t in got)):
@@ -375,7 +414,23 @@ def validate(request: dict) -> dict:
     task = load_module(request["task"], "loom_task")
     apply_task_globals(task, request.get("task_globals"), strict=True)
     device = pick_device(request.get("device"))
-    cases, kept, estimate = _prepare_cases(task, request, device)
+    cases, kept, estimate, lender = _prepare_cases(task, request, device)
+    try:
+        return _judge_cases(task, request, device, cases, kept, estimate, lender)
+    finally:
+        if lender is not None:
+            lender.close()  # reached once the candidate has exited (or this job is ending)
+
+
+def _judge_cases(
+    task,
+    request: dict,
+    device: torch.device,
+    cases: list[dict],
+    kept: list[tuple[list, list]],
+    estimate: dict,
+    lender: lending.CaseLender | None,
+) -> dict:
     reproducible = inputs_reproducible(task, cases, kept, device)
     if device.type == "cuda":
         torch.zeros(1, device=device)  # the context, while the candidate runs
@@ -403,6 +458,8 @@ def validate(request: dict) -> dict:
     # Once the candidate has exited: its outputs against the references.
     if request.get("go_file"):
         wait_for_go(request["go_file"])
+    if lender is not None:
+        lender.finish()
     candidate_outputs = CandidateOutputs(request["outputs_dir"])
     results = []
     for index, case in enumerate(cases):
@@ -414,7 +471,7 @@ def validate(request: dict) -> dict:
         entry["inputs_reproducible"] = reproducible
         # More than twice the reference's bytes cannot be a right answer: not worth reading.
         expected = sum(t.numel() * t.element_size() for t in native or [])
-        got, problem = candidate_outputs.get(index, max_bytes=2 * expected + (1 << 20))
+        got, problem = candidate_outputs.get(index, max_bytes=2 * expected + (1 << 20), lender=lender)
         if problem and not entry["error"]:
             entry["error"] = problem
         if entry["error"] or got is None:
@@ -441,7 +498,8 @@ def validate(request: dict) -> dict:
                     one["message"] = "the task's check(out, ref) returned False"
             entry["outputs"].append(one)
         results.append(entry)
-    return {"planned": cases, "cases": results, "device": str(device)}
+    lent = lender.lent if lender is not None else 0
+    return {"planned": cases, "cases": results, "device": str(device), "lent_cases": lent}
 
 
 def warm_up() -> None:
