@@ -282,11 +282,13 @@ class Bundle:
             raise ValueError("bad tensor sizes in the manifest")
         return sum(checked)
 
-    def decode(self, value: Any, depth: int = 0) -> Any:
+    def decode(self, value: Any, depth: int = 0, skip: frozenset[str] = frozenset()) -> Any:
+        """`value` (a part of the manifest's tree) as values; entries of dicts keyed by a name in
+        `skip` are None, their tensors never read."""
         if depth > 64:
             raise ValueError("the manifest nests too deeply")
         if isinstance(value, list):
-            return [self.decode(v, depth + 1) for v in value]
+            return [self.decode(v, depth + 1, skip) for v in value]
         if isinstance(value, dict):
             if len(value) != 1:
                 raise ValueError("bad value in the manifest")
@@ -302,11 +304,11 @@ class Bundle:
             if kind == "__dtype__":
                 return _dtype(inner)
             if kind == "__tuple__" and isinstance(inner, list):
-                return tuple(self.decode(v, depth + 1) for v in inner)
+                return tuple(self.decode(v, depth + 1, skip) for v in inner)
             if kind == "__dict__" and isinstance(inner, list):
                 if not all(isinstance(kv, list) and len(kv) == 2 for kv in inner):
                     raise ValueError("bad dict in the manifest")
-                return {str(k): self.decode(v, depth + 1) for k, v in inner}
+                return {str(k): None if k in skip else self.decode(v, depth + 1, skip) for k, v in inner}
             raise ValueError("bad value in the manifest")
         return value
 
