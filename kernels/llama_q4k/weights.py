@@ -123,13 +123,20 @@ def write_gguf(
     args: ModelArgs,
     weights: dict[str, Tensor],
     quant_types: dict[str, GGMLQuantizationType] | None = None,
+    vocab_from: str | Path | None = None,
 ) -> None:
     """Write `weights` as a llama GGUF file: float tensors as they are, uint8 ones as packed
-    rows of Q4_K, or of the type `quant_types` names for them (rows in our q/k order)."""
+    rows of Q4_K, or of the type `quant_types` names for them (rows in our q/k order).
+    `vocab_from`: a GGUF whose `tokenizer.*` keys (vocabulary, merges, special ids, chat
+    template) are copied, e.g. llama.cpp's models/ggml-vocab-*.gguf: llama.cpp refuses a model
+    without them, and they make the file a text model (kernels/llama_q4k/tokenizer.py)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     quant_types = quant_types or {}
     writer = GGUFWriter(str(path), arch="llama")
+    writer.add_name("loom-llama-q4k")
+    if vocab_from is not None:
+        copy_tokenizer(writer, vocab_from)
     writer.add_context_length(args.context_length)
     writer.add_embedding_length(args.dim)
     writer.add_block_count(args.n_layers)
@@ -153,6 +160,34 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def copy_tokenizer(writer: Any, source: str | Path) -> int:
+    """Copy every `tokenizer.*` key of the GGUF at `source` into `writer`, types kept; returns
+    the vocabulary's size."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(source))
+    size = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
+        if key == "tokenizer.ggml.tokens":
+            size = len(field.data)
+    return size
+
+
+def vocab_size_of(source: str | Path) -> int:
+    """How many tokens the vocabulary of the GGUF at `source` has."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(source)).get_field("tokenizer.ggml.tokens")
+    if field is None:
+        raise KeyError(f"{source}: no tokenizer.ggml.tokens")
+    return len(field.data)
 
 
 def random_q4k(rows: int, cols: int, generator: torch.Generator) -> Tensor:

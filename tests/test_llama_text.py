@@ -1,0 +1,146 @@
+"""Text in, text out of a GGUF model program (kernels/llama_q4k: tokenizer, chat, sampling).
+
+A tiny llama is written by our writer around a real vocabulary (tests/fixtures/gguf: Phi-3's
+SentencePiece vocabulary and chat template, as llama.cpp ships it), then read back as text:
+the tokenizer and template from the file alone, prompts in and replies out, and the logits
+checked against an independent implementation, transformers loading the same GGUF (it
+dequantizes the Q4_K tensors itself and undoes llama.cpp's q/k row order its own way).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from kernels.llama_q4k.chat import TextModel  # noqa: E402
+from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer  # noqa: E402
+from kernels.llama_q4k.sampling import SamplingParams, filter_logits, next_token, penalize  # noqa: E402
+from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
+from kernels.llama_q4k.weights import load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
+from kernels.q4k.format import quantize_q4_k  # noqa: E402
+
+VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
+
+
+def tiny_args() -> ModelArgs:
+    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                     vocab_size=vocab_size_of(VOCAB), context_length=128, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    """A tiny llama with Q4_K matrices and the real vocabulary: what an agent's own tests write."""
+    args = tiny_args()
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, shape in tensor_shapes(args).items():
+        if len(shape) == 2:
+            scale = 1.0 if name == "token_embd.weight" else 0.05
+            weights[name] = torch.from_numpy(quantize_q4_k((scale * torch.randn(shape, generator=generator)).numpy()))
+        else:
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    path = tmp_path_factory.mktemp("text") / "tiny-phi3-vocab.gguf"
+    write_gguf(path, args, weights, vocab_from=VOCAB)
+    return path
+
+
+def test_the_tokenizer_comes_from_the_files_own_vocabulary(model_file: Path) -> None:
+    tok = GGUFTokenizer(model_file)
+    assert tok.vocab_size == 32064
+    ids = tok.encode("Hello world, 1234 ünïcode!")
+    assert ids[0] == 1  # add_bos_token is true in the file
+    assert tok.decode(ids) == "Hello world, 1234 ünïcode!"
+    # Text a user typed that looks like a special token stays text; a rendered template's is the token.
+    assert 32010 not in tok.encode("<|user|>")  # <|user|> is id 32010 in Phi-3's vocabulary
+    assert tok.encode("<|user|>", special_text=True)[1] == 32010
+    assert {32000, 32007} <= tok.stop_ids()  # <|endoftext|> (the EOS) and <|end|>
+
+
+def test_the_chat_template_is_the_files_and_renders_with_jinja(model_file: Path) -> None:
+    tok = GGUFTokenizer(model_file)
+    prompt = tok.chat([{"role": "user", "content": "Hi there"}])
+    assert prompt.startswith("<s>") and "<|user|>\nHi there<|end|>\n<|assistant|>\n" in prompt
+    ids = tok.encode(prompt, special_text=True)
+    assert ids.count(1) == 1  # the template's BOS, not a second one
+
+
+def test_sampling_filters_and_penalty() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert next_token(logits, SamplingParams()).item() == 0
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
+    # top-p 0.7: token 0 has p = 0.64, so token 1 is needed to reach 0.7, token 2 is not.
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
+    # min-p 0.3: p(token) >= 0.3 * p(top): exp(-1) = 0.37 passes, exp(-2) = 0.14 does not.
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
+    penalized = penalize(torch.tensor([[2.0, -2.0, 1.0]]), torch.tensor([[0, 1]]), 2.0)
+    assert penalized.tolist() == [[1.0, -4.0, 1.0]]
+    assert next_token(torch.tensor([[2.0, 1.5]]), SamplingParams(repetition_penalty=2.0), None,
+                      torch.tensor([[0]])).item() == 1
+
+
+def test_a_seed_gives_the_same_draws_and_another_seed_other_ones() -> None:
+    logits = torch.zeros(1, 1000)
+
+    def draws(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        from kernels.llama_q4k.sampling import make_generator
+        generator = make_generator(params, torch.device("cpu"))
+        return [int(next_token(logits, params, generator).item()) for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+
+
+def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
+    model = TextModel(str(model_file), "cpu", max_seq=128)
+    greedy = model.chat([{"role": "user", "content": "Say something."}], max_new_tokens=12)
+    again = model.chat([{"role": "user", "content": "Say something."}], max_new_tokens=12)
+    assert greedy.tokens == again.tokens and len(greedy.tokens) >= 1
+    assert greedy.text == model.tokenizer.decode(greedy.tokens)
+    sampled = model.complete("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, seed=3), 12)
+    assert sampled.tokens == model.complete("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, seed=3),
+                                            12).tokens
+    # The first greedy token made a stop token: nothing is generated and the reply says why.
+    first = greedy.tokens[0]
+    stopped = list(model.stream(model.tokenizer.encode(model.tokenizer.chat(
+        [{"role": "user", "content": "Say something."}]), special_text=True), SamplingParams(), 12, stop={first}))
+    assert stopped == []
+
+
+def test_logits_match_transformers_loading_the_same_file(model_file: Path) -> None:
+    """An independent reading of the same GGUF: transformers dequantizes it and runs its own
+    Llama. Top-1 must agree at every position; the differences are reported in the message."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
+                                              dtype=torch.float32)
+    hf.eval()
+    tok = GGUFTokenizer(model_file)
+    prompts = ["The quick brown fox jumps over the lazy dog.", "def main():\n    return 42",
+               "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
+    args, weights, _ = load_gguf(model_file)
+    ours = Transformer(args, weights, ops=TORCH_OPS)
+    agree = total = 0
+    worst = 0.0
+    for text in prompts:
+        ids = torch.tensor([tok.encode(text)])
+        ours.setup_caches(1, ids.shape[1])
+        with torch.no_grad():
+            mine = ours(ids, torch.arange(ids.shape[1]))[0]
+            theirs = hf(ids).logits[0]
+        scale = theirs.abs().max().item()
+        worst = max(worst, (mine - theirs).abs().max().item() / scale)
+        agree += int((mine.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ids.shape[1]
+    assert agree == total, f"top-1 agrees at {agree} of {total} positions; worst relative diff {worst:.2e}"
+    assert worst < 1e-3, f"worst logit difference {worst:.2e} of the largest logit"
