@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from kernels.llama_q4k.chat import TextModel  # noqa: E402
-from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer  # noqa: E402
+from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer, reference_logits  # noqa: E402
 from kernels.llama_q4k.sampling import SamplingParams, filter_logits, next_token, penalize  # noqa: E402
 from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
 from kernels.llama_q4k.weights import load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
@@ -27,26 +27,36 @@ from kernels.q4k.format import quantize_q4_k  # noqa: E402
 VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
 
 
-def tiny_args() -> ModelArgs:
-    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
-                     vocab_size=vocab_size_of(VOCAB), context_length=128, rope_theta=10000.0)
+def tiny_args(arch: str = "llama") -> ModelArgs:
+    vocab = vocab_size_of(VOCAB)
+    if arch == "qwen3":  # transformers' Qwen3 assumes head_dim 128 unless told otherwise
+        return ModelArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
+                         context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=128)
+    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=vocab,
+                     context_length=128, rope_theta=10000.0, arch=arch)
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> Path:
-    """A tiny llama with Q4_K matrices and the real vocabulary: what an agent's own tests write."""
-    args = tiny_args()
+def write_tiny(path: Path, arch: str = "llama") -> Path:
+    """A tiny model of `arch` with Q4_K matrices and the real vocabulary: what an agent's own
+    tests write."""
+    args = tiny_args(arch)
     generator = torch.Generator().manual_seed(0)
     weights = {}
     for name, shape in tensor_shapes(args).items():
         if len(shape) == 2:
             scale = 1.0 if name == "token_embd.weight" else 0.05
             weights[name] = torch.from_numpy(quantize_q4_k((scale * torch.randn(shape, generator=generator)).numpy()))
+        elif name.endswith(".bias"):
+            weights[name] = 0.5 * torch.randn(shape, generator=generator)
         else:
             weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    path = tmp_path_factory.mktemp("text") / "tiny-phi3-vocab.gguf"
     write_gguf(path, args, weights, vocab_from=VOCAB)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    return write_tiny(tmp_path_factory.mktemp("text") / "tiny-phi3-vocab.gguf")
 
 
 def test_the_tokenizer_comes_from_the_files_own_vocabulary(model_file: Path) -> None:
@@ -117,18 +127,21 @@ def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
     assert stopped == []
 
 
-def test_logits_match_transformers_loading_the_same_file(model_file: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: str) -> None:
     """An independent reading of the same GGUF: transformers dequantizes it and runs its own
-    Llama. Top-1 must agree at every position; the differences are reported in the message."""
+    model of the family. Top-1 must agree at every position; the differences are reported."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
-                                              dtype=torch.float32)
+    model_file = write_tiny(tmp_path / f"tiny-{arch}.gguf", arch)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=model_file.name, dtype=torch.float32)
     hf.eval()
+    assert type(hf).__name__.lower().startswith(arch), type(hf).__name__
     tok = GGUFTokenizer(model_file)
     prompts = ["The quick brown fox jumps over the lazy dog.", "def main():\n    return 42",
                "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
     args, weights, _ = load_gguf(model_file)
+    assert args.arch == arch and args.qkv_bias == (arch == "qwen2") and args.qk_norm == (arch == "qwen3")
     ours = Transformer(args, weights, ops=TORCH_OPS)
     agree = total = 0
     worst = 0.0
@@ -142,5 +155,47 @@ def test_logits_match_transformers_loading_the_same_file(model_file: Path) -> No
         worst = max(worst, (mine - theirs).abs().max().item() / scale)
         agree += int((mine.argmax(-1) == theirs.argmax(-1)).sum())
         total += ids.shape[1]
+    print(f"{arch}: top-1 {agree}/{total}, worst logit difference {worst:.2e} of the largest")
     assert agree == total, f"top-1 agrees at {agree} of {total} positions; worst relative diff {worst:.2e}"
     assert worst < 1e-3, f"worst logit difference {worst:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_each_family_matches_the_float_reference_and_decodes_like_prefill(tmp_path: Path, arch: str) -> None:
+    args, weights, _ = load_gguf(write_tiny(tmp_path / f"{arch}.gguf", arch))
+    tokens = torch.tensor([[1, 450, 4996, 17354, 1701, 29916, 432, 17204]])
+    expected = reference_logits(args, weights, tokens)
+    model = Transformer(args, weights, ops=TORCH_OPS)
+    model.setup_caches(1, tokens.shape[1])
+    with torch.no_grad():
+        prefill = model(tokens, torch.arange(tokens.shape[1]))
+        torch.testing.assert_close(prefill, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        model.setup_caches(1, tokens.shape[1])
+        model(tokens[:, :5], torch.arange(5))
+        for t in range(5, tokens.shape[1]):  # one token at a time from the cache
+            step = model(tokens[:, t:t + 1], torch.tensor([t]))
+            torch.testing.assert_close(step[0, -1], prefill[0, t], rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_each_family_on_the_gpu_kernels_matches_the_float_reference(tmp_path: Path, arch: str) -> None:
+    """The Triton/CUDA kernels (decode attention, rope cache, norms, Q4_K GEMV) on each family's
+    shapes: qwen3's head_dim 128 with per-head norms, qwen2's biases."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kernels.llama_q4k.model import KERNEL_OPS
+
+    args, weights, _ = load_gguf(write_tiny(tmp_path / f"{arch}.gguf", arch))
+    tokens = torch.tensor([[1, 450, 4996, 17354, 1701, 29916, 432, 17204]], device="cuda")
+    expected = reference_logits(args, weights, tokens)
+    model = Transformer(args, weights, device="cuda", ops=KERNEL_OPS)
+    model.setup_caches(1, tokens.shape[1])
+    scale = expected.abs().max().item()
+    with torch.no_grad():
+        prefill = model(tokens, torch.arange(tokens.shape[1], device="cuda"))
+        torch.testing.assert_close(prefill, expected, rtol=1e-3, atol=1e-3 * scale)
+        model(tokens[:, :5], torch.arange(5, device="cuda"))
+        for t in range(5, tokens.shape[1]):
+            step = model(tokens[:, t:t + 1], torch.tensor([t], device="cuda"))
+            torch.testing.assert_close(step[0, -1], expected[0, t], rtol=1e-3, atol=1e-3 * scale)

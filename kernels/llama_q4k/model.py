@@ -62,10 +62,22 @@ class ModelArgs:
     context_length: int = 8192
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    # The family, as GGUF's general.architecture names it: "llama" (Llama 2/3.x, Mistral),
+    # "qwen2" (biases on q, k and v), "qwen3" (an RMSNorm on each head of q and k).
+    arch: str = "llama"
+    head_dim_override: int | None = None  # qwen3 sets it apart from dim / n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
 
 
 CONFIGS: dict[str, ModelArgs] = {
@@ -212,19 +224,37 @@ class KVCache(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, args: ModelArgs, wqkv: nn.Module, wo: nn.Module, ops: Ops, inv_freq: Tensor
+        self,
+        args: ModelArgs,
+        wqkv: nn.Module,
+        wo: nn.Module,
+        ops: Ops,
+        inv_freq: Tensor,
+        bias: Tensor | None = None,
+        q_norm: Tensor | None = None,
+        k_norm: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.wqkv, self.wo, self.ops = wqkv, wo, ops
+        self.wqkv, self.wo, self.ops, self.eps = wqkv, wo, ops, args.norm_eps
         self.register_buffer("inv_freq", inv_freq)
+        self.register_buffer("bias", bias)  # qwen2's q, k and v biases, or None
+        self.register_buffer("q_norm", q_norm)  # qwen3's per-head norms (fp32), or None
+        self.register_buffer("k_norm", k_norm)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None) -> Tensor:
         assert self.kv_cache is not None, "call Transformer.setup_caches first"
         batch, seq, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.wqkv(x)
+        if self.bias is not None:
+            qkv = qkv + self.bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rope
+            q = self.ops.rms_norm(q.reshape(batch, seq, self.n_heads, self.head_dim), self.q_norm, self.eps)
+            k = self.ops.rms_norm(k.reshape(batch, seq, self.n_kv_heads, self.head_dim), self.k_norm, self.eps)
+            q, k = q.to(v.dtype).reshape(batch, seq, self.q_size), k.to(v.dtype).reshape(batch, seq, self.kv_size)
         if seq == 1:  # decode: two launches for rope, the cache write and attention
             y = self.ops.decode_attention(
                 input_pos,
@@ -325,12 +355,18 @@ class Transformer(nn.Module):
         layers = []
         for i in range(args.n_layers):
             blk = f"blk.{i}."
+            bias = (
+                torch.cat([get(blk + f"attn_{p}.bias").to(dtype) for p in "qkv"]) if args.qkv_bias else None
+            )
             attention = Attention(
                 args,
                 linear(blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"),
                 linear(blk + "attn_output.weight"),
                 ops,
                 inv_freq,
+                bias,
+                get(blk + "attn_q_norm.weight").float() if args.qk_norm else None,
+                get(blk + "attn_k_norm.weight").float() if args.qk_norm else None,
             )
             feed_forward = FeedForward(
                 linear(blk + "ffn_gate.weight", blk + "ffn_up.weight"),
@@ -406,9 +442,13 @@ def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor
     for i in range(args.n_layers):
         blk = f"blk.{i}."
         h = torch_rms_norm(x, w(blk + "attn_norm.weight"), args.norm_eps)
-        q = heads(h @ w(blk + "attn_q.weight").T, args.n_heads)
-        k = heads(h @ w(blk + "attn_k.weight").T, args.n_kv_heads)
-        v = heads(h @ w(blk + "attn_v.weight").T, args.n_kv_heads)
+        q, k, v = (h @ w(blk + f"attn_{p}.weight").T for p in "qkv")
+        if args.qkv_bias:
+            q, k, v = (t + w(blk + f"attn_{p}.bias") for t, p in zip((q, k, v), "qkv"))
+        q, k, v = heads(q, args.n_heads), heads(k, args.n_kv_heads), heads(v, args.n_kv_heads)
+        if args.qk_norm:
+            q = torch_rms_norm(q, w(blk + "attn_q_norm.weight"), args.norm_eps)
+            k = torch_rms_norm(k, w(blk + "attn_k_norm.weight"), args.norm_eps)
         q, k = torch_rope(positions, q, k, inv_freq)
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(args.head_dim)

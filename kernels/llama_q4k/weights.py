@@ -14,7 +14,13 @@ adjacent pairs (2i, 2i+1). The rope kernel rotates (i, i + head_dim/2), as Huggi
 so the reader undoes that permutation and the writer applies it. It only moves whole rows, so
 packed Q4_K rows move as they are.
 
-Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused).
+Families (general.architecture): llama (Llama 2/3.x, Mistral), qwen2 (q/k/v biases), qwen3
+(per-head q/k RMSNorm, its own head_dim). Only llama's q/k rows are permuted in the file: the
+Qwen converters keep Hugging Face's order (their rope is NEOX-style in llama.cpp).
+
+Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused);
+Mistral v0.1's sliding window; gemma2/3 (GeGLU, scaled embeddings, extra norms, logit
+soft-capping) and phi3 (fused qkv and gate_up tensors) are refused at load.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from kernels.q4k.format import BLOCK_BYTES, QK_K
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
+
+
+FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -50,12 +59,18 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             blk + "ffn_up.weight": (args.ffn_dim, args.dim),
             blk + "ffn_down.weight": (args.dim, args.ffn_dim),
         }
+        if args.qkv_bias:
+            shapes |= {blk + "attn_q.bias": (q_size,), blk + "attn_k.bias": (kv_size,), blk + "attn_v.bias": (kv_size,)}
+        if args.qk_norm:
+            shapes |= {blk + "attn_q_norm.weight": (args.head_dim,), blk + "attn_k_norm.weight": (args.head_dim,)}
     shapes |= {"output_norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
     return shapes
 
 
 def _heads_for(name: str, args: ModelArgs) -> int | None:
     """Heads of a tensor whose rows llama.cpp's converter permutes, else None."""
+    if args.arch != "llama":
+        return None
     if name.endswith("attn_q.weight"):
         return args.n_heads
     if name.endswith("attn_k.weight"):
@@ -86,9 +101,13 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
             raise KeyError(f"{path}: no metadata key {key!r}")
         return value.contents()
 
+    def optional(key: str) -> Any:
+        value = reader.get_field(key)
+        return None if value is None else value.contents()
+
     arch = field("general.architecture")
-    if arch != "llama":  # the row permutation and the metadata keys below are llama's
-        raise ValueError(f"{path}: architecture {arch!r}, expected 'llama'")
+    if arch not in FAMILIES:
+        raise ValueError(f"{path}: architecture {arch!r}; this model program runs {', '.join(FAMILIES)}")
 
     weights, types = {}, {}
     for tensor in reader.tensors:
@@ -111,6 +130,8 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
         context_length=int(field(f"{arch}.context_length")),
         rope_theta=float(field(f"{arch}.rope.freq_base")),
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        arch=arch,
+        head_dim_override=int(key_length) if (key_length := optional(f"{arch}.attention.key_length")) else None,
     )
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
@@ -133,7 +154,7 @@ def write_gguf(
     from gguf import GGMLQuantizationType, GGUFWriter
 
     quant_types = quant_types or {}
-    writer = GGUFWriter(str(path), arch="llama")
+    writer = GGUFWriter(str(path), arch=args.arch)
     writer.add_name("loom-llama-q4k")
     if vocab_from is not None:
         copy_tokenizer(writer, vocab_from)
@@ -146,6 +167,9 @@ def write_gguf(
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_rope_dimension_count(args.head_dim)
+    if args.head_dim_override:
+        writer.add_key_length(args.head_dim)
+        writer.add_value_length(args.head_dim)
     writer.add_vocab_size(args.vocab_size)
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
