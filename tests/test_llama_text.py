@@ -15,8 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
-pytest.importorskip("transformers")
-
 from kernels.llama_q4k.chat import TextModel  # noqa: E402
 from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer, reference_logits  # noqa: E402
 from kernels.llama_q4k.sampling import SamplingParams, filter_logits, next_token, penalize  # noqa: E402
@@ -25,6 +23,11 @@ from kernels.llama_q4k.weights import load_gguf, tensor_shapes, vocab_size_of, w
 from kernels.q4k.format import quantize_q4_k  # noqa: E402
 
 VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
+
+
+def needs_transformers() -> None:
+    """The tokenizer and the independent logits need transformers; the GPU kernels' check not."""
+    pytest.importorskip("transformers")
 
 
 def tiny_args(arch: str = "llama") -> ModelArgs:
@@ -60,6 +63,7 @@ def model_file(tmp_path_factory) -> Path:
 
 
 def test_the_tokenizer_comes_from_the_files_own_vocabulary(model_file: Path) -> None:
+    needs_transformers()
     tok = GGUFTokenizer(model_file)
     assert tok.vocab_size == 32064
     ids = tok.encode("Hello world, 1234 ünïcode!")
@@ -72,6 +76,7 @@ def test_the_tokenizer_comes_from_the_files_own_vocabulary(model_file: Path) -> 
 
 
 def test_the_chat_template_is_the_files_and_renders_with_jinja(model_file: Path) -> None:
+    needs_transformers()
     tok = GGUFTokenizer(model_file)
     prompt = tok.chat([{"role": "user", "content": "Hi there"}])
     assert prompt.startswith("<s>") and "<|user|>\nHi there<|end|>\n<|assistant|>\n" in prompt
@@ -112,6 +117,7 @@ def test_a_seed_gives_the_same_draws_and_another_seed_other_ones() -> None:
 
 
 def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
+    needs_transformers()
     model = TextModel(str(model_file), "cpu", max_seq=128)
     greedy = model.chat([{"role": "user", "content": "Say something."}], max_new_tokens=12)
     again = model.chat([{"role": "user", "content": "Say something."}], max_new_tokens=12)
@@ -131,6 +137,7 @@ def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
 def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: str) -> None:
     """An independent reading of the same GGUF: transformers dequantizes it and runs its own
     model of the family. Top-1 must agree at every position; the differences are reported."""
+    needs_transformers()
     from transformers import AutoModelForCausalLM
 
     model_file = write_tiny(tmp_path / f"tiny-{arch}.gguf", arch)
