@@ -360,6 +360,64 @@ async def test_outputs_rewritten_after_they_were_published_do_not_count(tmp_path
     assert "validation.mismatch" in {f["check"] for f in report["findings"]}
 
 
+# A mode entered in forward and never left: every tensor operation of the harness after it
+# (copying the outputs out, comparing them) would run through the candidate's code.
+LEAVES_A_MODE = """
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _Answer(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        _Answer().__enter__()
+        return torch.zeros_like(x)
+"""
+
+# Returns zeros, keeps them, and in the determinism rerun writes the right values into the
+# zeros it returned first and returns the right values too: both calls then "agree".
+FIXES_ITS_FIRST_ANSWER_LATER = """
+import torch
+
+_kept = []
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        if _kept:
+            first = _kept.pop()
+            first.copy_(x * 2)
+            return x * 2
+        out = torch.zeros_like(x)
+        _kept.append(out)
+        return out
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("source, check", [(LEAVES_A_MODE, "validation.mode"),
+                                           (FIXES_ITS_FIRST_ANSWER_LATER, "validation.mismatch")])
+async def test_what_forward_returned_is_what_is_compared(tmp_path: Path, source: str, check: str) -> None:
+    """The harness publishes its own copy of what forward returned, taken at return, and refuses
+    to go on with a torch mode the candidate left active."""
+    (tmp_path / "task.py").write_text(SMALL_TASK.replace("1024, 1024", "4, 64"))
+    (tmp_path / "cand.py").write_text(source)
+    result = await _validate(_server(tmp_path), tmp_path / "task.py", tmp_path / "cand.py")
+    report = result.structured_content
+    assert report["passed"] is False, report
+    assert report["cases_failed"] == report["cases_total"] == 5, report
+    text = str(report)
+    if check == "validation.mode":
+        assert "torch function or dispatch mode" in text, text
+    else:
+        assert check in {f["check"] for f in report["findings"]}, report
+
+
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_reference_killed_by_sigkill_is_reported_as_out_of_memory(tmp_path: Path) -> None:

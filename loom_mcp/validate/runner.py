@@ -103,7 +103,21 @@ def static_findings(candidate: Path) -> list[Finding]:
 
 
 class _LendFailed(Exception):
-    """The candidate's process could not open device memory the reference lent it."""
+    """The candidate's process could not open device memory the reference lent it. `findings`:
+    the errors found before that (its guard's), which the run through files keeps."""
+
+    def __init__(self, message: str, findings: list[Finding]) -> None:
+        super().__init__(message)
+        self.findings = findings
+
+
+def _lent_a_case(cases_dir: Path) -> bool:
+    """Whether the reference lent any case in device memory (its manifests, in its own
+    directory, name a region): only then can the candidate fail to open one."""
+    try:
+        return any('"lent"' in m.read_text(errors="replace") for m in cases_dir.glob("c*/manifest.json"))
+    except OSError:
+        return False
 
 
 async def validate_candidate(**kwargs: Any) -> ValidationEvidence:
@@ -117,9 +131,12 @@ async def validate_candidate(**kwargs: Any) -> ValidationEvidence:
             "validation %s: lending device memory failed (%s); again through files", kwargs.get("validation_id"), exc
         )
         job_dir = Path(kwargs["job_dir"])  # a sibling: the compile cache is found from the depth
-        return await _validate(
+        again = await _validate(
             **{**kwargs, "job_dir": job_dir.with_name(job_dir.name + "-files")}, lend_on_device=False
         )
+        if exc.findings:
+            again = again.model_copy(update={"passed": False, "findings": [*exc.findings, *again.findings]})
+        return again
 
 
 async def _validate(
@@ -287,7 +304,16 @@ async def _validate(
         )
         log.info("validation %s: candidate exited after %.2f s (%s)", validation_id, cand.wall_s, cand.timeline(began))
         if cand_result is not None and cand_result.get("lend_error"):
-            raise _LendFailed(str(cand_result["lend_error"])[:300])
+            if lend_on_device and _lent_a_case(cases_dir):
+                raise _LendFailed(str(cand_result["lend_error"])[:300], [f for f in findings if f.severity == "error"])
+            findings.append(
+                Finding(
+                    check="validation.crash",
+                    severity="error",
+                    message="the candidate reported a device-memory hand-over that was never offered",
+                )
+            )
+            return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
         if cand_result is None and out_of_memory(cand) and not cand.memory_exceeded:
             # Killed by the kernel for the machine's memory, not for its own limit: the problem
             # is too big for this machine, whichever process the kernel picked.
@@ -314,6 +340,12 @@ async def _validate(
             or cand_result.get("load_error")
             or not safefs.is_file(cand_dir[0], "outputs/cases.json")
         ):
+            runs = cand_result.get("cases") if cand_result else None
+            for run in runs if isinstance(runs, list) else []:
+                if isinstance(run, dict) and run.get("error"):  # why the harness stopped
+                    findings.append(
+                        Finding(check="validation.outputs", severity="error", message=str(run["error"])[:500])
+                    )
             return ValidationEvidence(validation_id=validation_id, passed=False, cases=[], findings=findings)
 
         taker.finish()

@@ -66,11 +66,12 @@ def _poison_uninitialized_memory() -> None:
 _lexists, _monotonic, _sleep = os.path.lexists, time.monotonic, time.sleep
 
 
-def _until_taken(outputs_dir: str, index: int, mark_file: Path | None = None) -> None:
+def _until_taken(outputs_dir: str, index: int, mark_file: Path | None = None) -> bool:
     """Wait while the server moves this case's published outputs out of this process's reach
     (validate.runner.OutputTaker) and, for outputs in the reference's slots, until the reference
     has copied them (`mark_file`), so no candidate code runs while they are still here: the
-    collector is off (a finalizer of the candidate's could otherwise run in this loop)."""
+    collector is off (a finalizer of the candidate's could otherwise run in this loop). False
+    when that did not happen in time: the case cannot count, and no later case may run."""
     published = handoff.case_dir(outputs_dir, index)
     gc.disable()
     try:
@@ -79,6 +80,7 @@ def _until_taken(outputs_dir: str, index: int, mark_file: Path | None = None) ->
             _sleep(0.001)
         while mark_file is not None and not _lexists(mark_file) and _monotonic() < deadline:
             _sleep(0.001)
+        return not _lexists(published) and (mark_file is None or _lexists(mark_file))
     finally:
         gc.enable()
 
@@ -122,6 +124,17 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 # Bound before the candidate is imported: replacing torch.equal later does not change ours.
 _torch_equal = torch.equal
+# How many torch function / dispatch modes are active: a mode the candidate's forward leaves
+# entered would run its own code inside every tensor operation of this harness (copying the
+# outputs out, comparing them), and could answer for them.
+_function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _modes_left() -> str | None:
+    if _function_modes() or _dispatch_modes():
+        return "forward left a torch function or dispatch mode active (it would intercept the harness's own work)"
+    return None
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -175,8 +188,12 @@ def run_case(
 
         with torch.no_grad():
             first = as_output_list(model(*inputs))
+        if (left := _modes_left()) is not None:
+            report["error"] = left
+            return report, None
         # Snapshot at return, before any sync: work still running on another stream or thread
-        # would make the final values differ from what was returned.
+        # would make the final values differ from what was returned. The snapshot is what is
+        # published: candidate code (the rerun below) can reach `first`, never these copies.
         snapshot = [o.clone() if type(o) is torch.Tensor else None for o in first]
         synchronize(device)
         time.sleep(0.02)
@@ -204,11 +221,22 @@ def run_case(
 
         with torch.no_grad():
             second = as_output_list(model(*_clone_inputs(pristine)))
+        # No candidate code runs from here until the outputs are taken (the finalizers of its
+        # objects would): the collector stays off until _until_taken ends.
+        gc.disable()
+        if (left := _modes_left()) is not None:
+            report["error"] = left
+            return report, None
         synchronize(device)
-        report["deterministic"] = len(first) == len(second) and all(
-            type(b) is torch.Tensor and _same_bits(a, b) for a, b in zip(first, second)
+        if left_running is not None:  # a thread the rerun started could still rewrite the answer
+            late = [t for t in left_running(threads_before or set()) if t not in report["threads"]]
+            report["threads"] = (report["threads"] + late)[:5]
+            report["threads_added"] = len(report["threads"])
+        report["deterministic"] = len(snapshot) == len(second) and all(
+            type(b) is torch.Tensor and _same_bits(a, b)  # type: ignore[arg-type]
+            for a, b in zip(snapshot, second)
         )
-        return report, [o.detach() for o in first]
+        return report, [o.detach() for o in snapshot]  # type: ignore[union-attr]
     except Exception as exc:  # the candidate's failure is a finding, not a worker crash
         report["error"] = user_traceback(exc, candidate_file)
         return report, None
@@ -260,10 +288,18 @@ def main() -> None:
         # Advisory, for a message when the device runs out: what this process held going in.
         report["held_bytes"], report["peak_bytes"] = held, _peak_memory(device)
         reports.append(report)
+        mark_file = lending.taken_mark(request["cases_dir"], index)
+        if _lexists(mark_file) or _lexists(handoff.case_dir(request["outputs_dir"], index)):
+            # Published before forward returned: by candidate code, not by this harness.
+            report["error"] = f"case {index}'s outputs were published by the candidate's code, not the harness"
+            gc.enable()
+            send({"load_error": None, "cases": reports, "device": str(device), "guard": violations()})
+            return
         in_slots = _publish(request["outputs_dir"], index, out, case.get("slots"), device)
-        _until_taken(
-            request["outputs_dir"], index, lending.taken_mark(request["cases_dir"], index) if in_slots else None
-        )
+        if not _until_taken(request["outputs_dir"], index, mark_file if in_slots else None):
+            report["error"] = f"case {index}'s outputs were not taken within {TAKE_WAIT_S:.0f} s"
+            send({"load_error": None, "cases": reports, "device": str(device), "guard": violations()})
+            return
         big = input_bytes(case["inputs"]) >= BIG_CASE_BYTES
         del case, out
         if big:  # a cycle still holding a big case's tensors must not carry them into the next

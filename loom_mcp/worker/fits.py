@@ -133,6 +133,8 @@ def check_fits(
     on_cpu = device.type == "cpu"
     # Host memory: on a GPU the float64 case and the candidate's copies are device memory.
     ref_host = kept + (one_ref if on_cpu else 0)
+    # A lent case's outputs are copied out of its slots to the host when the device is short.
+    ref_host += sum(s["outputs"] for s in sized if lent is not None and lent(s["inputs"] + s["outputs"]))
     ref_limit = int(request.get("memory_limit_bytes") or 0)
     cand_limit = int(request.get("candidate_memory_limit_bytes") or 0)
     if ref_limit and ref_host > ref_limit:

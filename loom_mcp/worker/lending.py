@@ -68,6 +68,7 @@ class CaseLender:
         self.final = False
         self.lent = 0  # cases lent so far
         self.reserve = 0  # device bytes the copies of slots leave free (see _copy)
+        self.stream: Any = None  # the watcher's own, made on its thread
         self.watcher = threading.Thread(target=self._watch, name="loom-slot-watcher", daemon=True)
         self.watcher.start()
 
@@ -95,9 +96,12 @@ class CaseLender:
             if fit is not None:
                 self.free.remove(fit)
                 return fit
-        if sum(r.nbytes for r in self.regions) + need > self.budget * 2:
+        if sum(r.nbytes for r in self.regions) + need > self.budget:
             return None  # a region too small stays mapped in the candidate: never freed while it runs
-        region = cuda_ipc.Region(need, self.device)
+        try:
+            region = cuda_ipc.Region(need, self.device)
+        except (cuda_ipc.IpcError, torch.OutOfMemoryError, RuntimeError):
+            return None  # the device is full (the candidate may hold it): this case goes to files
         self.regions.append(region)
         return region
 
@@ -124,11 +128,13 @@ class CaseLender:
             slot_at[id(slot)] = at
             at += cuda_ipc.aligned(nbytes)
 
-        def lend(tensor: torch.Tensor) -> dict[str, Any]:
+        def lend(tensor: torch.Tensor) -> dict[str, Any] | None:
             nonlocal at
             offset = slot_at.get(id(tensor))
             if offset is None:
                 nbytes = tensor.numel() * tensor.element_size()
+                if at + nbytes > region.nbytes:
+                    return None  # not counted in `need` (nested in a list): written to files
                 base[at : at + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
                 offset, at = at, at + cuda_ipc.aligned(nbytes)
             return {"handle": region.handle, "size": region.nbytes, "offset": offset}
@@ -157,11 +163,13 @@ class CaseLender:
 
     def _copy(self, slot: torch.Tensor) -> torch.Tensor:
         """On the device while it keeps `reserve` free (what the reference needs for one case
-        after the candidate exits), else on the host."""
+        after the candidate exits), else on the host. On a stream of its own: the candidate waits
+        for this, not for whatever the main thread has queued (a float64 reference ahead)."""
         nbytes = slot.numel() * slot.element_size()
         free, _ = torch.cuda.mem_get_info(self.device)
-        out = slot.clone() if free - nbytes > self.reserve + (2 << 30) else slot.cpu()
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.stream):
+            out = slot.clone() if free - nbytes > self.reserve + (2 << 30) else slot.to("cpu")
+        self.stream.synchronize()
         return out
 
     def _release(self, index: int) -> None:
@@ -173,23 +181,26 @@ class CaseLender:
             self.cond.notify_all()
 
     def _watch(self) -> None:
-        torch.cuda.set_device(self.device)
-        index = 0
-        while index < self.count:
-            if handoff.case_written(self.published, index):
-                self._take(index)
-                self._release(index)
-                index += 1
-            elif self.final:
-                break
-            else:
-                time.sleep(0.002)
-        # Cases the candidate never published: their regions are free for the reference's own
-        # writing to finish (nothing will read them).
-        with self.cond:
-            self.free.extend(self.in_use.values())
-            self.in_use.clear()
-            self.cond.notify_all()
+        try:
+            torch.cuda.set_device(self.device)
+            self.stream = torch.cuda.Stream(self.device)
+            index = 0
+            while index < self.count:
+                if handoff.case_written(self.published, index):
+                    self._take(index)
+                    self._release(index)
+                    index += 1
+                elif self.final:
+                    break
+                else:
+                    time.sleep(0.002)
+        finally:
+            # Cases never published (or this thread failing): their regions are free for the
+            # reference's own writing to finish; the cases have no copies, so they fail.
+            with self.cond:
+                self.free.extend(self.in_use.values())
+                self.in_use.clear()
+                self.cond.notify_all()
 
     def finish(self) -> None:
         """Once the candidate has exited (and the server took what it published): take what is
