@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS, ModelArgs, Transformer  # noqa: E402
+from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS, ModelArgs  # noqa: E402
 from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
-from kernels.llama_q4k.weights import load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
+from kernels.llama_q4k.weights import build_model, load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
 from kernels.q4k.format import dequantize_q4_k, quantize_q4_k  # noqa: E402
 
 VOCAB = ROOT / "tests" / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
@@ -44,7 +44,10 @@ def tiny_model(path: Path, arch: str, dense: bool = False) -> Path:
     """`dense`: the same weights dequantized to F32, so llama.cpp multiplies in F32 too (on Q4_K
     it quantizes the activations to 8 bits, about 1 % of noise on these logits)."""
     vocab = vocab_size_of(VOCAB)
-    extra = {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 128} if arch == "qwen3" else {}
+    extra: dict = {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 128} if arch == "qwen3" else {}
+    if arch == "gemma2":  # transformers takes gemma2's soft-caps and query scale from its defaults
+        extra = {"n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "attn_logit_softcap": 50.0,
+                 "final_logit_softcap": 30.0, "sliding_window": 8}
     args = ModelArgs(
         **{"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512, **extra},
         vocab_size=vocab,
@@ -83,7 +86,7 @@ def llamacpp_logits(path: Path, ids: list[int], gpu: bool) -> np.ndarray:
 def our_logits(path: Path, ids: list[int], device: str) -> np.ndarray:
     args, weights, _ = load_gguf(path)
     cuda = device == "cuda"
-    model = Transformer(args, weights, device=device, dtype=torch.float32, ops=KERNEL_OPS if cuda else TORCH_OPS)
+    model = build_model(args, weights, device=device, dtype=torch.float32, ops=KERNEL_OPS if cuda else TORCH_OPS)
     model.setup_caches(1, len(ids))
     with torch.no_grad():
         out = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
@@ -117,7 +120,7 @@ def compare(path: Path, device: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="llama,qwen2,qwen3")
+    parser.add_argument("--families", default="llama,qwen2,qwen3,gemma2")
     parser.add_argument("--gguf", nargs="*", default=[], help="compare these files instead of tiny ones")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dense", action="store_true", help="tiny models with F32 matrices (semantics only)")

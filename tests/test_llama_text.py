@@ -19,7 +19,7 @@ from kernels.llama_q4k.chat import TextModel  # noqa: E402
 from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer, reference_logits  # noqa: E402
 from kernels.llama_q4k.sampling import SamplingParams, filter_logits, next_token, penalize  # noqa: E402
 from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
-from kernels.llama_q4k.weights import load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
+from kernels.llama_q4k.weights import build_model, load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
 from kernels.q4k.format import quantize_q4_k  # noqa: E402
 
 VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
@@ -32,6 +32,10 @@ def needs_transformers() -> None:
 
 def tiny_args(arch: str = "llama") -> ModelArgs:
     vocab = vocab_size_of(VOCAB)
+    if arch == "gemma2":  # transformers takes the soft-caps and the query scale (256) from its defaults
+        return ModelArgs(dim=256, n_layers=2, n_heads=1, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
+                         context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=256,
+                         attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=8)
     if arch == "qwen3":  # transformers' Qwen3 assumes head_dim 128 unless told otherwise
         return ModelArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
                          context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=128)
@@ -133,7 +137,7 @@ def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
     assert stopped == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
 def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: str) -> None:
     """An independent reading of the same GGUF: transformers dequantizes it and runs its own
     model of the family. Top-1 must agree at every position; the differences are reported."""
@@ -149,7 +153,7 @@ def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: s
                "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
     args, weights, _ = load_gguf(model_file)
     assert args.arch == arch and args.qkv_bias == (arch == "qwen2") and args.qk_norm == (arch == "qwen3")
-    ours = Transformer(args, weights, ops=TORCH_OPS)
+    ours = build_model(args, weights, ops=TORCH_OPS)
     agree = total = 0
     worst = 0.0
     for text in prompts:

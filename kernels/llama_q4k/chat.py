@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.llama_q4k.generate import DecodeStep
-from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS, Transformer
+from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS
 from kernels.llama_q4k.sampling import SamplingParams, make_generator, next_token
 from kernels.llama_q4k.tokenizer import GGUFTokenizer
-from kernels.llama_q4k.weights import load_gguf
+from kernels.llama_q4k.weights import build_model, load_gguf
 
 
 @dataclass
@@ -59,8 +59,10 @@ class TextModel:
         self.max_seq = min(max_seq, self.args.context_length)
         cuda = self.device.type == "cuda"
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        say(f"building the model on {self.device} ({self.args.n_layers} layers)")
-        self.model = Transformer(self.args, weights, device=self.device, dtype=dtype, ops=KERNEL_OPS if cuda else TORCH_OPS)
+        say(f"building the {self.args.arch} model on {self.device} ({self.args.n_layers} layers)")
+        self.model = build_model(
+            self.args, weights, device=self.device, dtype=dtype, ops=KERNEL_OPS if cuda else TORCH_OPS
+        )
         self.model.setup_caches(1, self.max_seq)
         say("preparing the decode step" + (" (CUDA graph)" if cuda else ""))
         self.decode = DecodeStep(self.model, 1, use_graph=cuda)

@@ -21,7 +21,7 @@ class DecodeStep:
     Returned logits live in a static buffer that the next replay overwrites.
     """
 
-    def __init__(self, model: Transformer, batch: int, use_graph: bool) -> None:
+    def __init__(self, model: Transformer | torch.nn.Module, batch: int, use_graph: bool) -> None:
         device = model.norm.device
         self.model = model
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)

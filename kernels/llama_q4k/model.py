@@ -65,7 +65,11 @@ class ModelArgs:
     # The family, as GGUF's general.architecture names it: "llama" (Llama 2/3.x, Mistral),
     # "qwen2" (biases on q, k and v), "qwen3" (an RMSNorm on each head of q and k).
     arch: str = "llama"
-    head_dim_override: int | None = None  # qwen3 sets it apart from dim / n_heads
+    head_dim_override: int | None = None  # qwen3 and gemma2 set it apart from dim / n_heads
+    # gemma2's (gemma.py): attention scores and final logits soft-capped, a sliding window
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
 
     @property
     def head_dim(self) -> int:

@@ -15,12 +15,12 @@ so the reader undoes that permutation and the writer applies it. It only moves w
 packed Q4_K rows move as they are.
 
 Families (general.architecture): llama (Llama 2/3.x, Mistral), qwen2 (q/k/v biases), qwen3
-(per-head q/k RMSNorm, its own head_dim). Only llama's q/k rows are permuted in the file: the
-Qwen converters keep Hugging Face's order (their rope is NEOX-style in llama.cpp).
+(per-head q/k RMSNorm, its own head_dim), gemma2 (gemma.py). Only llama's q/k rows are permuted
+in the file: the Qwen and Gemma converters keep Hugging Face's order.
 
 Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused);
-Mistral v0.1's sliding window; gemma2/3 (GeGLU, scaled embeddings, extra norms, logit
-soft-capping) and phi3 (fused qkv and gate_up tensors) are refused at load.
+Mistral v0.1's sliding window; gemma3 (q/k norms, local and global rope bases) and phi3
+(fused qkv and gate_up tensors) are refused at load.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
 
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -63,7 +63,11 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes |= {blk + "attn_q.bias": (q_size,), blk + "attn_k.bias": (kv_size,), blk + "attn_v.bias": (kv_size,)}
         if args.qk_norm:
             shapes |= {blk + "attn_q_norm.weight": (args.head_dim,), blk + "attn_k_norm.weight": (args.head_dim,)}
-    shapes |= {"output_norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)}
+        if args.arch == "gemma2":
+            shapes |= {blk + "post_attention_norm.weight": (args.dim,), blk + "post_ffw_norm.weight": (args.dim,)}
+    shapes |= {"output_norm.weight": (args.dim,)}
+    if args.arch != "gemma2":  # gemma's output matrix is its embedding
+        shapes["output.weight"] = (args.vocab_size, args.dim)
     return shapes
 
 
@@ -86,6 +90,17 @@ def to_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
 def from_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
     """The inverse of `to_gguf_rows`."""
     return weight.reshape(n_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def build_model(args: ModelArgs, weights: dict[str, Tensor], **kwargs: Any) -> torch.nn.Module:
+    """The model of the file's family: Transformer (llama, qwen2, qwen3) or GemmaTransformer."""
+    if args.arch == "gemma2":
+        from kernels.llama_q4k.gemma import GemmaTransformer
+
+        return GemmaTransformer(args, weights, **kwargs)
+    from kernels.llama_q4k.model import Transformer
+
+    return Transformer(args, weights, **kwargs)
 
 
 def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str, str]]:
@@ -132,6 +147,9 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         arch=arch,
         head_dim_override=int(key_length) if (key_length := optional(f"{arch}.attention.key_length")) else None,
+        attn_logit_softcap=optional(f"{arch}.attn_logit_softcapping"),
+        final_logit_softcap=optional(f"{arch}.final_logit_softcapping"),
+        sliding_window=optional(f"{arch}.attention.sliding_window"),
     )
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
@@ -170,6 +188,12 @@ def write_gguf(
     if args.head_dim_override:
         writer.add_key_length(args.head_dim)
         writer.add_value_length(args.head_dim)
+    if args.attn_logit_softcap:
+        writer.add_float32(f"{args.arch}.attn_logit_softcapping", args.attn_logit_softcap)
+    if args.final_logit_softcap:
+        writer.add_float32(f"{args.arch}.final_logit_softcapping", args.final_logit_softcap)
+    if args.sliding_window:
+        writer.add_uint32(f"{args.arch}.attention.sliding_window", args.sliding_window)
     writer.add_vocab_size(args.vocab_size)
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
