@@ -48,11 +48,13 @@ def tiny_model(path: Path, arch: str, dense: bool = False) -> Path:
     if arch == "gemma2":  # transformers takes gemma2's soft-caps and query scale from its defaults
         extra = {"n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "attn_logit_softcap": 50.0,
                  "final_logit_softcap": 30.0, "sliding_window": 8}
+    if arch == "gemma3":  # five local layers and a global one, as Gemma 3 alternates them
+        extra = {"n_layers": 6, "n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "sliding_window": 8}
     args = ModelArgs(
         **{"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512, **extra},
         vocab_size=vocab,
         context_length=256,
-        rope_theta=10000.0,
+        rope_theta=1000000.0 if arch == "gemma3" else 10000.0,
         norm_eps=1e-6,
         arch=arch,
     )
@@ -120,7 +122,7 @@ def compare(path: Path, device: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="llama,qwen2,qwen3,gemma2")
+    parser.add_argument("--families", default="llama,qwen2,qwen3,gemma2,gemma3")
     parser.add_argument("--gguf", nargs="*", default=[], help="compare these files instead of tiny ones")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dense", action="store_true", help="tiny models with F32 matrices (semantics only)")

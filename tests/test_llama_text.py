@@ -36,6 +36,10 @@ def tiny_args(arch: str = "llama") -> ModelArgs:
         return ModelArgs(dim=256, n_layers=2, n_heads=1, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
                          context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=256,
                          attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=8)
+    if arch == "gemma3":  # six layers: five local, one global, each with its own rope base
+        return ModelArgs(dim=256, n_layers=6, n_heads=1, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
+                         context_length=128, rope_theta=1000000.0, norm_eps=1e-6, arch=arch, head_dim_override=256,
+                         sliding_window=8)
     if arch == "qwen3":  # transformers' Qwen3 assumes head_dim 128 unless told otherwise
         return ModelArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
                          context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=128)
@@ -137,7 +141,7 @@ def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
     assert stopped == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: str) -> None:
     """An independent reading of the same GGUF: transformers dequantizes it and runs its own
     model of the family. Top-1 must agree at every position; the differences are reported."""
@@ -152,7 +156,7 @@ def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: s
     prompts = ["The quick brown fox jumps over the lazy dog.", "def main():\n    return 42",
                "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich."]
     args, weights, _ = load_gguf(model_file)
-    assert args.arch == arch and args.qkv_bias == (arch == "qwen2") and args.qk_norm == (arch == "qwen3")
+    assert args.arch == arch and args.qkv_bias == (arch == "qwen2") and args.qk_norm == (arch in ("qwen3", "gemma3"))
     ours = build_model(args, weights, ops=TORCH_OPS)
     agree = total = 0
     worst = 0.0

@@ -1,4 +1,4 @@
-"""Gemma 2 on the same weights and linears as the Llama model (model.py), where it differs:
+"""Gemma 2 and 3 on the same weights and linears as the Llama model (model.py), where they differ:
 
 - embeddings scaled by sqrt(dim);
 - "sandwich" norms: each sublayer's output is normalized again (post_attention_norm,
@@ -8,6 +8,9 @@
   mask, with a sliding window on every other layer (the even ones, as transformers and
   llama.cpp count them);
 - the final logits soft-capped too; the output matrix is the embedding's.
+
+Gemma 3 drops the soft-caps, normalizes each head of q and k (like Qwen 3), makes five layers
+in six local (sliding window, rope base 10 000) and the sixth global (the file's rope base).
 
 GGUF stores Gemma's norm weights with the 1 added (llama.cpp's converter does it), so every norm
 here is x * rsqrt(mean(x^2) + eps) * w, as in the Llama model. Attention is written out in
@@ -33,16 +36,29 @@ def softcap(x: Tensor, cap: float | None) -> Tensor:
 
 
 def sliding_layer(index: int, args: ModelArgs) -> bool:
-    return bool(args.sliding_window) and index % 2 == 0
+    if not args.sliding_window:
+        return False
+    return (index + 1) % 6 != 0 if args.arch == "gemma3" else index % 2 == 0
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, args: ModelArgs, index: int, wqkv: nn.Module, wo: nn.Module, inv_freq: Tensor) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        index: int,
+        wqkv: nn.Module,
+        wo: nn.Module,
+        inv_freq: Tensor,
+        q_norm: Tensor | None = None,
+        k_norm: Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.args, self.index = args, index
         self.q_size, self.kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.wqkv, self.wo = wqkv, wo
         self.register_buffer("inv_freq", inv_freq)
+        self.register_buffer("q_norm", q_norm)  # gemma3's per-head norms, or None
+        self.register_buffer("k_norm", k_norm)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: Tensor, input_pos: Tensor) -> Tensor:
@@ -51,6 +67,9 @@ class GemmaAttention(nn.Module):
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(batch, seq, args.n_heads, args.head_dim)
         k = k.reshape(batch, seq, args.n_kv_heads, args.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = torch_rms_norm(q, self.q_norm, args.norm_eps).to(x.dtype)
+            k = torch_rms_norm(k, self.k_norm, args.norm_eps).to(x.dtype)
         q, k = torch_rope(input_pos, q, k, self.inv_freq)
         cache = self.kv_cache
         cache.k[:, :, input_pos] = k.transpose(1, 2).to(cache.k.dtype)
@@ -84,7 +103,7 @@ class GemmaBlock(nn.Module):
 
 
 class GemmaTransformer(nn.Module):
-    """Gemma 2 from GGUF-named weights (see weights.py); the interface of model.Transformer."""
+    """Gemma 2 or 3 from GGUF-named weights (see weights.py); the interface of model.Transformer."""
 
     def __init__(
         self,
@@ -105,16 +124,20 @@ class GemmaTransformer(nn.Module):
         def linear(*names: str) -> nn.Module:
             return make_linear([get(name) for name in names], dtype, dequantize)
 
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+        global_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+        local_freq = rope_inv_freq(args.head_dim, args.rope_local_theta).to(device)
         layers = []
         for i in range(args.n_layers):
             blk = f"blk.{i}."
+            local = args.arch == "gemma3" and sliding_layer(i, args)
             attention = GemmaAttention(
                 args,
                 i,
                 linear(blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"),
                 linear(blk + "attn_output.weight"),
-                inv_freq,
+                local_freq if local else global_freq,
+                get(blk + "attn_q_norm.weight").float() if args.qk_norm else None,
+                get(blk + "attn_k_norm.weight").float() if args.qk_norm else None,
             )
             norms = {n: get(blk + n + ".weight") for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
             layers.append(

@@ -70,6 +70,7 @@ class ModelArgs:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     sliding_window: int | None = None
+    rope_local_theta: float = 10000.0  # gemma3's sliding layers (its global ones: rope_theta)
 
     @property
     def head_dim(self) -> int:
@@ -81,7 +82,7 @@ class ModelArgs:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "gemma3")
 
 
 CONFIGS: dict[str, ModelArgs] = {

@@ -15,12 +15,12 @@ so the reader undoes that permutation and the writer applies it. It only moves w
 packed Q4_K rows move as they are.
 
 Families (general.architecture): llama (Llama 2/3.x, Mistral), qwen2 (q/k/v biases), qwen3
-(per-head q/k RMSNorm, its own head_dim), gemma2 (gemma.py). Only llama's q/k rows are permuted
+(per-head q/k RMSNorm, its own head_dim), gemma2 and gemma3 (gemma.py). Only llama's q/k rows are permuted
 in the file: the Qwen and Gemma converters keep Hugging Face's order.
 
 Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused);
-Mistral v0.1's sliding window; gemma3 (q/k norms, local and global rope bases) and phi3
-(fused qkv and gate_up tensors) are refused at load.
+Mistral v0.1's sliding window; gemma3's rope scaling of its global layers (4B and larger);
+phi3 (fused qkv and gate_up tensors) is refused at load.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GEMMAS = ("gemma2", "gemma3")
 
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -63,10 +64,10 @@ def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes |= {blk + "attn_q.bias": (q_size,), blk + "attn_k.bias": (kv_size,), blk + "attn_v.bias": (kv_size,)}
         if args.qk_norm:
             shapes |= {blk + "attn_q_norm.weight": (args.head_dim,), blk + "attn_k_norm.weight": (args.head_dim,)}
-        if args.arch == "gemma2":
+        if args.arch in GEMMAS:
             shapes |= {blk + "post_attention_norm.weight": (args.dim,), blk + "post_ffw_norm.weight": (args.dim,)}
     shapes |= {"output_norm.weight": (args.dim,)}
-    if args.arch != "gemma2":  # gemma's output matrix is its embedding
+    if args.arch not in GEMMAS:  # gemma's output matrix is its embedding
         shapes["output.weight"] = (args.vocab_size, args.dim)
     return shapes
 
@@ -93,8 +94,9 @@ def from_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
 
 
 def build_model(args: ModelArgs, weights: dict[str, Tensor], **kwargs: Any) -> torch.nn.Module:
-    """The model of the file's family: Transformer (llama, qwen2, qwen3) or GemmaTransformer."""
-    if args.arch == "gemma2":
+    """The model of the file's family: Transformer (llama, qwen2, qwen3) or GemmaTransformer
+    (gemma2, gemma3)."""
+    if args.arch in GEMMAS:
         from kernels.llama_q4k.gemma import GemmaTransformer
 
         return GemmaTransformer(args, weights, **kwargs)
