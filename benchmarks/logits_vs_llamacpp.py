@@ -26,10 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS, ModelArgs  # noqa: E402
+from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS  # noqa: E402
 from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
-from kernels.llama_q4k.weights import build_model, load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
-from kernels.q4k.format import dequantize_q4_k, quantize_q4_k  # noqa: E402
+from kernels.llama_q4k.weights import build_model, load_gguf, write_tiny_model  # noqa: E402
 
 VOCAB = ROOT / "tests" / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
 PROMPTS = [
@@ -38,39 +37,6 @@ PROMPTS = [
     "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
     "In 1969, Apollo 11 landed on the Moon; 600 million people watched.",
 ]
-
-
-def tiny_model(path: Path, arch: str, dense: bool = False) -> Path:
-    """`dense`: the same weights dequantized to F32, so llama.cpp multiplies in F32 too (on Q4_K
-    it quantizes the activations to 8 bits, about 1 % of noise on these logits)."""
-    vocab = vocab_size_of(VOCAB)
-    extra: dict = {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 128} if arch == "qwen3" else {}
-    if arch == "gemma2":  # transformers takes gemma2's soft-caps and query scale from its defaults
-        extra = {"n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "attn_logit_softcap": 50.0,
-                 "final_logit_softcap": 30.0, "sliding_window": 8}
-    if arch == "gemma3":  # five local layers and a global one, as Gemma 3 alternates them
-        extra = {"n_layers": 6, "n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "sliding_window": 8}
-    args = ModelArgs(
-        **{"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512, **extra},
-        vocab_size=vocab,
-        context_length=256,
-        rope_theta=1000000.0 if arch == "gemma3" else 10000.0,
-        norm_eps=1e-6,
-        arch=arch,
-    )
-    generator = torch.Generator().manual_seed(0)
-    weights = {}
-    for name, shape in tensor_shapes(args).items():
-        if len(shape) == 2:
-            scale = 1.0 if name == "token_embd.weight" else 0.05
-            packed = torch.from_numpy(quantize_q4_k((scale * torch.randn(shape, generator=generator)).numpy()))
-            weights[name] = dequantize_q4_k(packed) if dense else packed
-        elif name.endswith(".bias"):
-            weights[name] = 0.5 * torch.randn(shape, generator=generator)
-        else:
-            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    write_gguf(path, args, weights, vocab_from=VOCAB)
-    return path
 
 
 def llamacpp_logits(path: Path, ids: list[int], gpu: bool) -> np.ndarray:
@@ -131,7 +97,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="logits-"))
     kind = "f32" if opts.dense else "q4k"
     files = [Path(f) for f in opts.gguf] or [
-        tiny_model(work / f"tiny-{a}-{kind}.gguf", a, opts.dense) for a in opts.families.split(",")
+        write_tiny_model(work / f"tiny-{a}-{kind}.gguf", a, VOCAB, opts.dense) for a in opts.families.split(",")
     ]
     rows = []
     for path in files:

@@ -16,11 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 from kernels.llama_q4k.chat import TextModel  # noqa: E402
-from kernels.llama_q4k.model import TORCH_OPS, ModelArgs, Transformer, reference_logits  # noqa: E402
+from kernels.llama_q4k.model import TORCH_OPS, Transformer, reference_logits  # noqa: E402
 from kernels.llama_q4k.sampling import SamplingParams, filter_logits, next_token, penalize  # noqa: E402
 from kernels.llama_q4k.tokenizer import GGUFTokenizer  # noqa: E402
-from kernels.llama_q4k.weights import build_model, load_gguf, tensor_shapes, vocab_size_of, write_gguf  # noqa: E402
-from kernels.q4k.format import quantize_q4_k  # noqa: E402
+from kernels.llama_q4k.weights import build_model, load_gguf, write_tiny_model  # noqa: E402
 
 VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
 
@@ -30,39 +29,10 @@ def needs_transformers() -> None:
     pytest.importorskip("transformers")
 
 
-def tiny_args(arch: str = "llama") -> ModelArgs:
-    vocab = vocab_size_of(VOCAB)
-    if arch == "gemma2":  # transformers takes the soft-caps and the query scale (256) from its defaults
-        return ModelArgs(dim=256, n_layers=2, n_heads=1, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
-                         context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=256,
-                         attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=8)
-    if arch == "gemma3":  # six layers: five local, one global, each with its own rope base
-        return ModelArgs(dim=256, n_layers=6, n_heads=1, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
-                         context_length=128, rope_theta=1000000.0, norm_eps=1e-6, arch=arch, head_dim_override=256,
-                         sliding_window=8)
-    if arch == "qwen3":  # transformers' Qwen3 assumes head_dim 128 unless told otherwise
-        return ModelArgs(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512, vocab_size=vocab,
-                         context_length=128, rope_theta=10000.0, norm_eps=1e-6, arch=arch, head_dim_override=128)
-    return ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=vocab,
-                     context_length=128, rope_theta=10000.0, arch=arch)
-
-
 def write_tiny(path: Path, arch: str = "llama") -> Path:
     """A tiny model of `arch` with Q4_K matrices and the real vocabulary: what an agent's own
     tests write."""
-    args = tiny_args(arch)
-    generator = torch.Generator().manual_seed(0)
-    weights = {}
-    for name, shape in tensor_shapes(args).items():
-        if len(shape) == 2:
-            scale = 1.0 if name == "token_embd.weight" else 0.05
-            weights[name] = torch.from_numpy(quantize_q4_k((scale * torch.randn(shape, generator=generator)).numpy()))
-        elif name.endswith(".bias"):
-            weights[name] = 0.5 * torch.randn(shape, generator=generator)
-        else:
-            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    write_gguf(path, args, weights, vocab_from=VOCAB)
-    return path
+    return write_tiny_model(path, arch, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -274,3 +274,44 @@ def random_weights(args: ModelArgs, seed: int = 0, device: str = "cpu") -> dict[
                 1.0 + 0.1 * torch.randn(shape, device=device, generator=generator)
             ).cpu()
     return weights
+
+
+def tiny_args(arch: str, vocab_size: int) -> ModelArgs:
+    """A tiny config of each family (Q4_K rows are whole 256-weight blocks), shaped so that
+    transformers' GGUF loader, which takes some values from its own defaults, reads the same
+    model: Qwen 3 and Gemma assume their head_dim, Gemma 2 its soft-caps and query scale."""
+    base: dict[str, Any] = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512}
+    family: dict[str, dict[str, Any]] = {
+        "qwen3": {"n_heads": 2, "n_kv_heads": 1, "head_dim_override": 128, "norm_eps": 1e-6},
+        "gemma2": {"n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "norm_eps": 1e-6,
+                   "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0, "sliding_window": 8},
+        # six layers: five local and a global one, each with its own rope base
+        "gemma3": {"n_layers": 6, "n_heads": 1, "n_kv_heads": 1, "head_dim_override": 256, "norm_eps": 1e-6,
+                   "sliding_window": 8, "rope_theta": 1000000.0},
+    }
+    settings = {"rope_theta": 10000.0, **base, **family.get(arch, {})}
+    return ModelArgs(vocab_size=vocab_size, context_length=256, arch=arch, **settings)
+
+
+def write_tiny_model(path: str | Path, arch: str, vocab_from: str | Path, dense: bool = False, seed: int = 0) -> Path:
+    """A tiny random model of `arch` written by write_gguf around a real vocabulary (its
+    `tokenizer.*` keys copied from `vocab_from`), for tests and for comparing implementations.
+    Matrices are Q4_K (quantized from Llama-sized normals), or with `dense` the same values
+    dequantized to F32; norms near 1, biases around 0."""
+    from kernels.q4k.format import dequantize_q4_k, quantize_q4_k
+
+    args = tiny_args(arch, vocab_size_of(vocab_from))
+    generator = torch.Generator().manual_seed(seed)
+    weights: dict[str, Tensor] = {}
+    for name, shape in tensor_shapes(args).items():
+        if len(shape) == 2:
+            scale = 1.0 if name == "token_embd.weight" else 0.05
+            packed = torch.from_numpy(quantize_q4_k((scale * torch.randn(shape, generator=generator)).numpy()))
+            weights[name] = dequantize_q4_k(packed) if dense else packed
+        elif name.endswith(".bias"):
+            weights[name] = 0.5 * torch.randn(shape, generator=generator)
+        else:
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    write_gguf(path, args, weights, vocab_from=vocab_from)
+    return Path(path)
+
