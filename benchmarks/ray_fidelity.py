@@ -222,6 +222,8 @@ async def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="loom-ray-fidelity-") as tmp:
         for kind in kinds:
             runs[kind] = await run_executor(kind, tasks, shapes, args.repeats, not has_gpu, Path(tmp).resolve())
+            if args.json:  # a run cut short by a time limit keeps what it measured
+                Path(args.json).write_text(json.dumps({"partial": True, "runs": runs}, indent=2) + "\n")
     results = compare(tasks, runs)
     print(table(results))
     doc = {"gpu": has_gpu, "repeats": args.repeats, "flag_above": FLAG, "shapes": shapes, "results": results}
