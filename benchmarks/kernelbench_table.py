@@ -192,6 +192,15 @@ def summary_lines(rows: list[dict], kinds: list[str]) -> list[str]:
     return lines
 
 
+def problem_ids(spec: str) -> set[int]:
+    """"1,4,19-53" -> {1, 4, 19, ..., 53}."""
+    ids: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("-")
+        ids |= set(range(int(low), int(high or low) + 1))
+    return ids
+
+
 def merge_rows(paths: list[str]) -> dict[str, Any]:
     """The rows of earlier runs by (level, id), a later file's checks over an earlier's, and
     the runs they came from."""
@@ -263,7 +272,7 @@ async def run_table(args: argparse.Namespace) -> int:
     task_globals = parse_task_globals(args.set)
     kinds = [k.strip() for k in args.candidates.split(",") if k.strip()]
     levels = [int(x) for x in args.levels.split(",")]
-    wanted = {int(x) for x in args.problems.split(",")} if args.problems else None
+    wanted = problem_ids(args.problems) if args.problems else None
     work = Path(args.workdir or tempfile.mkdtemp(prefix="loom-kernelbench-")).resolve()
     home = Path(args.home).resolve() if args.home else work / "home"
     os.environ["LOOM_ALLOWED_ROOTS"] = str(work)
@@ -323,7 +332,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kernelbench", help="KernelBench checkout, or its bare git directory")
     parser.add_argument("--levels", default="1,2")
-    parser.add_argument("--problems", help="comma-separated problem ids (the number before the name)")
+    parser.add_argument("--problems", help="problem ids (the number before the name): 1,4,19-53")
     parser.add_argument("--candidates", default="copy,compile", help="copy, compile or both")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="task_globals for every problem (batch_size=2); repeatable")
