@@ -275,8 +275,7 @@ class Bundle:
 
     def total_bytes(self) -> int:
         """The bytes its manifest says its tensors hold in files (checked as each is read)."""
-        sizes = [e.get("nbytes") for e in self.entries if isinstance(e, dict) and "lent" not in e]
-        sizes += [0 for e in self.entries if isinstance(e, dict) and "lent" in e]
+        sizes = [0 if "lent" in e else e.get("nbytes") for e in self.entries if isinstance(e, dict)]
         checked = [n for n in sizes if type(n) is int and n >= 0]
         if len(checked) != len(self.entries):
             raise ValueError("bad tensor sizes in the manifest")

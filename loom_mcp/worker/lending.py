@@ -35,8 +35,20 @@ def taken_mark(cases_dir: str | Path, index: int) -> Path:
     return Path(cases_dir) / f"c{index}.taken"
 
 
+SlotSpecs = list[tuple[torch.dtype, list[int]]]
+
+
 def _tensor_bytes(values: list) -> int:
     return sum(cuda_ipc.aligned(v.numel() * v.element_size()) for v in values if isinstance(v, torch.Tensor))
+
+
+def _slot_sizes(specs: SlotSpecs) -> list[int]:
+    return [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for dtype, shape in specs]
+
+
+def _case_need(values: list, specs: SlotSpecs) -> int:
+    """Region bytes for a case: its top-level tensors and its output slots, each aligned."""
+    return _tensor_bytes(values) + sum(cuda_ipc.aligned(n) for n in _slot_sizes(specs))
 
 
 def _unwritten(slot: torch.Tensor) -> None:
@@ -73,13 +85,9 @@ class CaseLender:
         self.watcher.start()
 
     # ---------------------------------------------------------------- writing cases
-    def wants(self, values: list, slot_specs: list[tuple[torch.dtype, list[int]]] | None) -> bool:
+    def wants(self, values: list, slot_specs: SlotSpecs | None) -> bool:
         """Whether a case of these tensors (and slots) is lent rather than written to files."""
-        need = _tensor_bytes(values) + sum(
-            cuda_ipc.aligned(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size())
-            for d, shape in slot_specs or []
-        )
-        return self.wants_bytes(need)
+        return self.wants_bytes(_case_need(values, slot_specs or []))
 
     def wants_bytes(self, need: int) -> bool:
         """Whether a case that needs `need` bytes of region is lent."""
@@ -105,14 +113,13 @@ class CaseLender:
         self.regions.append(region)
         return region
 
-    def lend_case(self, index: int, value: dict, slot_specs: list[tuple[torch.dtype, list[int]]] | None) -> bool:
+    def lend_case(self, index: int, value: dict, slot_specs: SlotSpecs | None) -> bool:
         """Write case `index` (`value`: seed, inputs, init_inputs, state_dict) with its tensors
         and output slots in a region. False when none could be had: write it to files then."""
         specs = slot_specs or []
-        slot_sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in specs]
+        slot_sizes = _slot_sizes(specs)
         tensors = [*value["inputs"], *value["init_inputs"], *value["state_dict"].values()]
-        need = _tensor_bytes(tensors) + sum(cuda_ipc.aligned(n) for n in slot_sizes)
-        region = self._region(max(need, cuda_ipc.ALIGN))
+        region = self._region(max(_case_need(tensors, specs), cuda_ipc.ALIGN))
         if region is None:
             return False
         base = region.tensor
