@@ -66,15 +66,18 @@ def cheapest_shapes(task_file: Path, n: int) -> list[str] | None:
     return [s["name"] for s in sorted(shapes, key=cost)[:n]]
 
 
-def verdict(passed: bool, record: dict, gate: Any) -> str:
-    """Validation pass/fail and the gate's decision on this benchmark's evidence alone."""
+def verdict(passed: bool, record: dict, gate: Any) -> tuple[str, list[str]]:
+    """Validation pass/fail and the gate's decision on this benchmark's evidence alone, and the
+    gate's reasons in words (a reject is only understood with them)."""
     from loom_mcp.gate import benchmark_reasons
     from loom_mcp.judge_models import BenchmarkEvidence, is_review_code
 
-    codes = sorted({c for c, _ in benchmark_reasons(BenchmarkEvidence.model_validate(record["evidence"]), gate)})
+    reasons = benchmark_reasons(BenchmarkEvidence.model_validate(record["evidence"]), gate)
+    codes = sorted({c for c, _ in reasons})
     blocking = [c for c in codes if not is_review_code(c)]
     decision = "reject" if blocking or not passed else "needs_review" if codes else "accept"
-    return f"{'valid' if passed else 'invalid'} {decision}" + (f" ({','.join(codes)})" if codes else "")
+    words = f"{'valid' if passed else 'invalid'} {decision}" + (f" ({','.join(codes)})" if codes else "")
+    return words, [f"{code}: {message}" for code, message in reasons]
 
 
 async def call(client: Any, tool: str, args: dict[str, Any]) -> tuple[dict, float]:
@@ -124,9 +127,11 @@ async def run_executor(kind: str, tasks: list[str], shapes: dict, repeats: int, 
                     say(f"  {kind} {task} #{r}: ERROR {row['error'][:300]}")
                     out[task].append(row)
                     continue
+                words, reasons = verdict(validation["passed"], record, config.gate)
                 row |= {
                     "passed": validation["passed"],
-                    "verdict": verdict(validation["passed"], record, config.gate),
+                    "verdict": words,
+                    "reasons": reasons,
                     "device": bench["device"],
                     "timer": bench["timer"],
                     "geomean": [bench["geomean_speedup"], bench["geomean_ci_low"], bench["geomean_ci_high"]],
@@ -140,6 +145,8 @@ async def run_executor(kind: str, tasks: list[str], shapes: dict, repeats: int, 
                     f"  {kind} {task} #{r}: {row['verdict']}, geomean x{row['geomean'][0]:.3f} "
                     f"in {row['validation_s']:.1f} + {row['benchmark_s']:.1f} s"
                 )
+                for reason in reasons:
+                    say(f"    {reason[:400]}")
                 out[task].append(row)
     return out
 
@@ -172,8 +179,16 @@ def compare(tasks: list[str], runs: dict[str, dict]) -> list[dict]:
                     local, ray = median_of(runs["local"][task], name, arm), median_of(runs["ray"][task], name, arm)
                     cell[arm] = {"local": local, "ray": ray, "ratio": ray / local if local and ray else None}
                 ratio = cell["candidate_s"]["ratio"]
+                # The local executor against itself: how far its own repeats lie apart. A few-us
+                # kernel's median moves by more than 1 % between calls on one executor.
+                own = [r["shapes"][name]["candidate_s"] for r in runs["local"][task] if name in r.get("shapes", {})]
+                cell["local_spread"] = max(own) / min(own) - 1 if len(own) > 1 and min(own) > 0 else None
                 cell["flagged"] = ratio is None or abs(ratio - 1) > FLAG
+                cell["beyond_noise"] = ratio is None or abs(ratio - 1) > max(FLAG, cell["local_spread"] or 0.0)
                 entry["shapes"][name] = cell
+            ratios = [c["candidate_s"]["ratio"] for c in entry["shapes"].values() if c["candidate_s"]["ratio"]]
+            # A bias of the executor shows in every shape alike; the geomean of the ratios is it.
+            entry["geomean_ratio"] = statistics.geometric_mean(ratios) if ratios else None
         entry["walls_s"] = {
             kind: {
                 step: statistics.median(r[f"{step}_s"] for r in run[task] if f"{step}_s" in r)
@@ -187,18 +202,27 @@ def compare(tasks: list[str], runs: dict[str, dict]) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'task':<10} {'shape':<26} {'local cand s':>12} {'ray cand s':>12} {'ray/local':>9}  flag"]
+    lines = [
+        f"{'task':<10} {'shape':<26} {'local cand s':>12} {'ray cand s':>12} {'ray/local':>9} "
+        f"{'local spread':>12}  flag"
+    ]
     for e in results:
         verdicts = "; ".join(f"{k}: {v['usual']}" for k, v in e["verdicts"].items())
         same = {True: "equal", False: "DIFFER", None: "-"}[e["verdicts_equal"]]
         walls = "; ".join(f"{k} {', '.join(f'{s} {w:.1f}s' for s, w in v.items())}" for k, v in e["walls_s"].items())
         lines.append(f"{e['task']:<10} verdicts {same}: {verdicts}")
         lines.append(f"{'':<10} median wall per call: {walls}")
+        if e.get("geomean_ratio"):
+            lines.append(f"{'':<10} geomean ray/local over shapes: {e['geomean_ratio']:.4f}")
         for name, cell in e["shapes"].items():
             c = cell["candidate_s"]
             fmt = lambda x: f"{x:.4g}" if x is not None else "-"  # noqa: E731
-            flag = "FLAG" if cell["flagged"] else ""
-            lines.append(f"{'':<10} {name:<26} {fmt(c['local']):>12} {fmt(c['ray']):>12} {fmt(c['ratio']):>9}  {flag}")
+            flag = "BEYOND NOISE" if cell["beyond_noise"] else "FLAG" if cell["flagged"] else ""
+            spread = f"{cell['local_spread']:.2%}" if cell.get("local_spread") is not None else "-"
+            lines.append(
+                f"{'':<10} {name:<26} {fmt(c['local']):>12} {fmt(c['ray']):>12} {fmt(c['ratio']):>9} "
+                f"{spread:>12}  {flag}"
+            )
     return "\n".join(lines)
 
 

@@ -201,3 +201,36 @@ def test_an_honest_gemm_whose_own_error_exceeds_atol_passes():
     assert "widened from 0.0001" in failed["message"]
     for cheat in (torch.zeros_like(native), native * 0.999):
         assert not compare(cheat, native, exact, FP32)["passed"]
+
+
+@pytest.mark.parametrize("case", ["honest", "off", "nan_moved", "inf_and_huge"])
+def test_a_comparison_in_pieces_reads_what_one_whole_pass_reads(monkeypatch, case):
+    """A 6 GiB output is compared in pieces (whole float64 copies ran a 139 GiB GPU out of
+    memory); every statistic and the verdict are those of one pass over the whole output."""
+    from loom_mcp.worker import closeness
+
+    gen = torch.Generator().manual_seed(3)
+    exact = torch.randn(37, 29, generator=gen, dtype=torch.float64) * 3
+    native = exact.float()
+    out = (exact + 1e-6 * torch.randn(37, 29, generator=gen, dtype=torch.float64)).float()
+    if case == "off":
+        out[5:9] *= 1.5
+    if case == "nan_moved":
+        exact[2, 3] = native[2, 3] = float("nan")
+        out[4, 4] = float("nan")
+    if case == "inf_and_huge":
+        exact[1, 1] = native[1, 1] = out[1, 1] = float("inf")
+        exact[7, 2], native[7, 2], out[7, 2] = 1e300, float("inf"), float("inf")
+        exact[0, 0] = 1e200
+    tol = {"atol": 1e-4, "rtol": 1e-4}
+    whole = closeness.compare_one(out, native, exact, tol, closeness.reference_stats([native], [exact])[0])
+    monkeypatch.setattr(closeness, "CHUNK_ELEMENTS", 7)
+    pieces = closeness.compare_one(out, native, exact, tol, closeness.reference_stats([native], [exact])[0])
+    assert pieces.keys() == whole.keys()
+    for key, value in whole.items():
+        if isinstance(value, float) and math.isfinite(value):
+            assert pieces[key] == pytest.approx(value, rel=1e-12), key
+        else:
+            assert pieces[key] == value, key
+    assert whole["passed"] is (case == "honest")
+    assert closeness.degenerate([torch.full((50,), 2.0)]) and not closeness.degenerate([native])

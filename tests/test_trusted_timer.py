@@ -15,6 +15,7 @@ from mcp import Client
 
 from loom_mcp.bench.stats import analyze_shapes
 from loom_mcp.bench.trusted import (
+    CONTEXT_SWITCH_SPREAD_S,
     HARNESS_RESIDUAL_MAX_S,
     OWN_TIMING_ALLOWANCE,
     candidate_bracket_cost,
@@ -167,12 +168,53 @@ def test_brackets_check_own_clocks_within_their_resolution(baseline_s, candidate
     assert bool(findings) is flagged, findings
 
 
-def test_the_candidates_bracket_cost_is_its_own_but_never_more_than_the_baselines():
-    """A cheaper context switch into the candidate's process is its own to subtract; slowing its
-    empty calls gains nothing (the baseline's cost is the most subtracted)."""
+def test_the_candidates_bracket_cost_is_its_own_within_the_spread_of_processes():
+    """A cheaper context switch into the candidate's process is its own to subtract, and so is
+    a dearer one as far as processes honestly differ (an honest softmax was rejected when the
+    cap was the baseline's own cost); slowing its empty calls gains no more than that spread."""
     assert candidate_bracket_cost(293e-6, [288e-6, 287e-6, 289e-6]) == pytest.approx(288e-6)
-    assert candidate_bracket_cost(293e-6, [900e-6, 950e-6]) == pytest.approx(293e-6)
+    assert candidate_bracket_cost(283e-6, [292e-6, 293e-6, 294e-6]) == pytest.approx(293e-6)
+    assert candidate_bracket_cost(293e-6, [900e-6, 950e-6]) == pytest.approx(293e-6 + CONTEXT_SWITCH_SPREAD_S)
     assert candidate_bracket_cost(293e-6, []) == pytest.approx(293e-6)
+
+
+def _softmax_on_the_h200(candidate_switch_s: float, forged: float) -> list:
+    """The built-in softmax's shapes as an H200 timed them (own-event medians, us), the switch
+    into the baseline's process 283 us and into the candidate's `candidate_switch_s`."""
+    medians = {"t1": (43.8, 8.4), "t8": (46.3, 9.3), "t64": (90.4, 52.7), "v32k": (20.7, 8.1),
+               "r512": (23.3, 6.4), "r4096": (133.2, 19.6), "r16384": (497.1, 66.3), "tail": (33.8, 8.6)}
+    noise = [1 + 0.002 * ((i * 7) % 5 - 2) for i in range(40)]
+    samples, meta = {}, []
+    base_cost = 283e-6
+    cand_cost = candidate_bracket_cost(base_cost, [candidate_switch_s] * 4)
+    for name, (base_us, cand_us) in medians.items():
+        own_a = [base_us * 1e-6 * n for n in noise]
+        true_b = [cand_us * 1e-6 * n for n in reversed(noise)]
+        trusted_a = subtract_overhead([t + base_cost + 1.2e-6 for t in own_a], base_cost)
+        trusted_b = subtract_overhead([t + candidate_switch_s + 1.2e-6 for t in true_b], cand_cost)
+        residual = harness_residual(trusted_a, own_a)
+        samples[name] = {"a": own_a, "b": [t * forged for t in true_b],
+                         "trusted_a": subtract_overhead(trusted_a, residual),
+                         "trusted_b": subtract_overhead(trusted_b, residual)}
+        meta.append({"name": name})
+    gate = load_config(None, environ={}).gate
+    trusted = trusted_geomean_of(meta, samples, gate)
+    own = analyze_shapes([ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
+                                       candidate_s=samples[m["name"]]["b"]) for m in meta], gate).geomean
+    assert trusted is not None and own is not None
+    findings: list = []
+    flag_disagreement(trusted, own, findings)
+    return findings
+
+
+def test_a_dearer_switch_into_the_candidates_process_is_no_forged_clock():
+    """On the H200 the candidate's process took 10 us more per switch than the baseline's for
+    a whole benchmark; capped at the baseline's cost, that rejected the honest softmax (4.2x by
+    its events, 3.6x by the brackets). A clock reporting 40 % of the truth is caught: on
+    kernels this short the brackets' resolution lets no finer forgery show."""
+    assert _softmax_on_the_h200(293e-6, forged=1.0) == []
+    assert _softmax_on_the_h200(293e-6, forged=0.4)
+    assert _softmax_on_the_h200(283e-6 + 40e-6, forged=1.0)  # a switch past the spread counts against it
 
 
 def test_the_harness_residual_is_capped_and_never_negative():

@@ -22,15 +22,23 @@ def subtract_overhead(times: list[float], overhead: float) -> list[float]:
     return [max(t - overhead, MIN_CORRECTED_S) for t in times]
 
 
+# How much dearer the context switch into the candidate's process may honestly be than into the
+# baseline's: on an H200 one process's switch read 283 us and the other's 293 us for a whole
+# benchmark (a different pair of processes read the same), and capping the candidate at the
+# baseline's cost left those 10 us in every candidate bracket, which rejected an honest 8 us
+# softmax as a forged clock. Slowing its empty calls gains a candidate at most this much.
+CONTEXT_SWITCH_SPREAD_S = 12e-6
+
+
 def candidate_bracket_cost(baseline_cost: float, candidate_empties: list[float]) -> float:
-    """What is subtracted from the candidate's brackets as the timer's own cost. The context
-    switch into the candidate's process can be microseconds cheaper than into the baseline's
-    (on an H200 it was, by about 5 us: enough to floor a 5 us call's bracket to nothing), so the
-    candidate's own empty calls count, but never for more than the baseline's: an arm that
-    slowed its empty calls must not get more taken off its real ones."""
+    """What is subtracted from the candidate's brackets as the timer's own cost: its own empty
+    calls' median, since the context switch into one process costs microseconds more or less
+    than into another (on an H200 about 5 us cheaper, or 10 us dearer), but never more than
+    CONTEXT_SWITCH_SPREAD_S above the baseline's: an arm that slowed its empty calls must not
+    get more taken off its real ones."""
     if not candidate_empties:
         return baseline_cost
-    return min(statistics.median(candidate_empties), baseline_cost)
+    return min(statistics.median(candidate_empties), baseline_cost + CONTEXT_SWITCH_SPREAD_S)
 
 
 def harness_residual(trusted_baseline: list[float], own_baseline: list[float]) -> float:

@@ -42,14 +42,42 @@ REF_ERROR_FACTOR = 4.0
 RTOL_FLOOR = {"fp64": 1e-7, "fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-1}
 
 
-def _norm(values: torch.Tensor) -> float:
-    """2-norm in float64, scaled first so that squares of huge float64 values cannot overflow."""
-    if not values.numel():
-        return 0.0
-    top = float(values.abs().max())
-    if top == 0.0 or top == float("inf"):
-        return top
-    return float(torch.linalg.vector_norm(values / top)) * top
+# Elements per piece when a comparison walks an output: its float64 temporaries (a few per
+# element) stay near a GiB, where whole-output float64 copies of a 6 GiB output took 90 GiB.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _pieces(*tensors: torch.Tensor | None) -> Any:
+    """Aligned flat slices of equally sized tensors (None stays None), CHUNK_ELEMENTS at a time."""
+    flats = [t.reshape(-1) if t is not None else None for t in tensors]
+    total = next(f for f in flats if f is not None).numel()
+    for start in range(0, total, CHUNK_ELEMENTS):
+        yield [f[start:start + CHUNK_ELEMENTS] if f is not None else None for f in flats]
+
+
+class _Norm:
+    """A 2-norm gathered piece by piece, rescaled as a larger element turns up (as in LAPACK's
+    dnrm2), so that no square overflows and no whole-output copy is made."""
+
+    def __init__(self) -> None:
+        self.top = 0.0
+        self.sum_sq = 0.0  # of (x / top)^2
+
+    def add(self, values: torch.Tensor) -> None:
+        if not values.numel():
+            return
+        top = float(values.abs().max())
+        if top == float("inf") or self.top == float("inf"):
+            self.top = float("inf")
+            return
+        if top > self.top:
+            self.sum_sq *= (self.top / top) ** 2
+            self.top = top
+        if self.top > 0.0:
+            self.sum_sq += float(torch.sum((values / self.top) ** 2))
+
+    def value(self) -> float:
+        return self.top if self.top in (0.0, float("inf")) else self.top * self.sum_sq**0.5
 
 
 def reference_stats(native: list, exact: list | None) -> list[dict[str, Any] | None]:
@@ -63,22 +91,29 @@ def reference_stats(native: list, exact: list | None) -> list[dict[str, Any] | N
             stats.append(None)
             continue
         ref = exact[i] if exact is not None and i < len(exact) else None
-        target = (ref if ref is not None else value).to(torch.float64)
-        finite = torch.isfinite(target)
-        vals = target[finite]
-        norm = _norm(vals)
+        target = ref if ref is not None else value
+        with_own = ref is not None and tuple(value.shape) == tuple(target.shape)
+        norm, err_norm, err_max, count = _Norm(), _Norm(), 0.0, 0
+        for want, own in _pieces(target, value if with_own else None):
+            want = want.to(torch.float64)
+            finite = torch.isfinite(want)
+            norm.add(want[finite])
+            count += int(finite.sum())
+            if own is not None:
+                own = own.to(want.device, torch.float64)
+                err = (own - want)[finite & torch.isfinite(own)]
+                err_norm.add(err)
+                if err.numel():
+                    err_max = max(err_max, float(err.abs().max()))
         entry: dict[str, Any] = {
-            "ref_norm": norm,
-            "ref_rms": norm / max(vals.numel(), 1) ** 0.5,
+            "ref_norm": norm.value(),
+            "ref_rms": norm.value() / max(count, 1) ** 0.5,
             "ref_norm_rel_err": None,
             "ref_max_abs_err": None,
         }
-        if ref is not None and tuple(value.shape) == tuple(target.shape):
-            own = value.to(target.device, torch.float64)
-            both = finite & torch.isfinite(own)
-            err = (own - target)[both]
-            entry["ref_max_abs_err"] = float(err.abs().max()) if err.numel() else 0.0
-            entry["ref_norm_rel_err"] = _norm(err) / norm if norm > 0 else None
+        if with_own:
+            entry["ref_max_abs_err"] = err_max
+            entry["ref_norm_rel_err"] = err_norm.value() / norm.value() if norm.value() > 0 else None
         stats.append(entry)
     return stats
 
@@ -152,31 +187,42 @@ def compare_one(
             ref_max_abs_err=stats["ref_max_abs_err"],
         )
     # On the reference's device: on a GPU the float64 error statistics of 30 cases of 16M elements
-    # are milliseconds; on the host they were most of run_validation's wall time.
-    target = (exact if exact is not None else native).to(torch.float64)
-    got = out.to(target.device, torch.float64)
-    ref_nan, got_nan = torch.isnan(target), torch.isnan(got)
+    # are milliseconds; on the host they were most of run_validation's wall time. In pieces: see
+    # CHUNK_ELEMENTS.
+    target_full = exact if exact is not None else native
     inf = float("inf")
-    parity = (
-        torch.equal(ref_nan, got_nan)
-        and torch.equal(target == inf, got == inf)
-        and torch.equal(target == -inf, got == -inf)
-    )
+    parity = True
+    nan_counts, inf_counts = [0, 0], [0, 0]  # reference, candidate
+    err_norm = _Norm()
+    max_abs = max_rel = 0.0
+    mismatched = 0
+    for want, have in _pieces(target_full, out):
+        target = want.to(torch.float64)
+        got = have.to(target.device, torch.float64)
+        ref_nan, got_nan = torch.isnan(target), torch.isnan(got)
+        parity = parity and (
+            torch.equal(ref_nan, got_nan)
+            and torch.equal(target == inf, got == inf)
+            and torch.equal(target == -inf, got == -inf)
+        )
+        nan_counts[0] += int(ref_nan.sum())
+        nan_counts[1] += int(got_nan.sum())
+        inf_counts[0] += int(torch.isinf(target).sum())
+        inf_counts[1] += int(torch.isinf(got).sum())
+        finite = torch.isfinite(target) & torch.isfinite(got)
+        signed = (got - target)[finite]
+        if not signed.numel():
+            continue
+        diff = signed.abs()
+        scale = target.abs()[finite]
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float((diff / scale.clamp_min(1e-12)).max()))
+        mismatched += int((diff > atol + tolerance["rtol"] * scale).sum())
+        err_norm.add(signed)
     result["nan_inf_parity"] = bool(parity)
-    finite = torch.isfinite(target) & torch.isfinite(got)
-    signed = (got - target)[finite]
-    diff = signed.abs()
-    scale = target.abs()[finite]
-    if diff.numel():
-        result["max_abs_err"] = float(diff.max())
-        result["max_rel_err"] = float((diff / scale.clamp_min(1e-12)).max())
-        bad = diff > atol + tolerance["rtol"] * scale
-        result["mismatched"] = int(bad.sum())
-    else:
-        result["max_abs_err"] = result["max_rel_err"] = 0.0
-        result["mismatched"] = 0
+    result["max_abs_err"], result["max_rel_err"], result["mismatched"] = max_abs, max_rel, mismatched
     if bound is not None and stats and parity:  # with NaN/Inf out of place it means nothing
-        result["norm_rel_err"] = _norm(signed) / stats["ref_norm"]
+        result["norm_rel_err"] = err_norm.value() / stats["ref_norm"]
     norm_bad = bound is not None and result["norm_rel_err"] is not None and not result["norm_rel_err"] <= bound
     problems = []
     if norm_bad:
@@ -195,15 +241,14 @@ def compare_one(
         else:
             why = ""
         problems.append(
-            f"{result['mismatched']} of {got.numel()} elements outside "
+            f"{result['mismatched']} of {out.numel()} elements outside "
             f"atol={atol:.3g}{why} rtol={tolerance['rtol']:g} "
             f"(max abs err {result['max_abs_err']:.3g})"
         )
     if not result["nan_inf_parity"]:
         result["message"] = (
-            f"NaN/Inf positions differ: reference has {int(ref_nan.sum())} NaN and "
-            f"{int(torch.isinf(target).sum())} Inf, candidate {int(got_nan.sum())} "
-            f"NaN and {int(torch.isinf(got).sum())} Inf"
+            f"NaN/Inf positions differ: reference has {nan_counts[0]} NaN and "
+            f"{inf_counts[0]} Inf, candidate {nan_counts[1]} NaN and {inf_counts[1]} Inf"
         )
     elif problems:
         result["message"] = "; ".join(problems)
@@ -217,11 +262,24 @@ def degenerate(native: list[torch.Tensor]) -> bool:
     so it passes the normwise rule; an all-zero output counts. Relative, not absolute: softmax
     rows of 1e-5 values varying by 10 % are not constant."""
     for t in native:
-        if t.is_floating_point() and t.numel() > 1:
-            v = t.double()
+        if not (t.is_floating_point() and t.numel() > 1):
+            continue
+        total, count = 0.0, 0
+        for (piece,) in _pieces(t):
+            v = piece.to(torch.float64)
             finite = v[torch.isfinite(v)]
-            if finite.numel() > 1:
-                floor = RTOL_FLOOR.get(canonical_dtype(t.dtype), 0.0)
-                if _norm(finite - finite.mean()) <= floor * _norm(finite):
-                    return True
+            total += float(finite.sum())
+            count += finite.numel()
+        if count <= 1:
+            continue
+        mean = total / count
+        spread, size = _Norm(), _Norm()
+        for (piece,) in _pieces(t):
+            v = piece.to(torch.float64)
+            finite = v[torch.isfinite(v)]
+            spread.add(finite - mean)
+            size.add(finite)
+        floor = RTOL_FLOOR.get(canonical_dtype(t.dtype), 0.0)
+        if spread.value() <= floor * size.value():
+            return True
     return False
