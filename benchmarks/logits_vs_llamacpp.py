@@ -1,6 +1,6 @@
 """Our model program's logits against llama.cpp's on the same GGUF files, family by family.
 
-    python benchmarks/logits_vs_llamacpp.py [--families llama,qwen2,qwen3] [--gguf FILE ...]
+    python benchmarks/logits_vs_llamacpp.py [--families llama,qwen2,qwen3,phi3] [--gguf FILE ...]
                                             [--device cpu|cuda] [--json OUT]
 
 Without --gguf, a tiny model of each family is written by our writer around a real vocabulary
@@ -88,7 +88,7 @@ def compare(path: Path, device: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="llama,qwen2,qwen3,gemma2,gemma3")
+    parser.add_argument("--families", default="llama,qwen2,qwen3,phi3,gemma2,gemma3")
     parser.add_argument("--gguf", nargs="*", default=[], help="compare these files instead of tiny ones")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dense", action="store_true", help="tiny models with F32 matrices (semantics only)")

@@ -9,7 +9,10 @@ dequantizes the Q4_K tensors itself and undoes llama.cpp's q/k row order its own
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,7 +114,7 @@ def test_text_in_text_out_stops_and_is_reproducible(model_file: Path) -> None:
     assert stopped == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: str) -> None:
     """An independent reading of the same GGUF: transformers dequantizes it and runs its own
     model of the family. Top-1 must agree at every position; the differences are reported."""
@@ -145,7 +148,7 @@ def test_logits_match_transformers_loading_the_same_file(tmp_path: Path, arch: s
     assert worst < 1e-3, f"worst logit difference {worst:.2e} of the largest logit"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
 def test_each_family_matches_the_float_reference_and_decodes_like_prefill(tmp_path: Path, arch: str) -> None:
     args, weights, _ = load_gguf(write_tiny(tmp_path / f"{arch}.gguf", arch))
     tokens = torch.tensor([[1, 450, 4996, 17354, 1701, 29916, 432, 17204]])
@@ -163,7 +166,7 @@ def test_each_family_matches_the_float_reference_and_decodes_like_prefill(tmp_pa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_each_family_on_the_gpu_kernels_matches_the_float_reference(tmp_path: Path, arch: str) -> None:
     """The Triton/CUDA kernels (decode attention, rope cache, norms, Q4_K GEMV) on each family's
     shapes: qwen3's head_dim 128 with per-head norms, qwen2's biases."""
@@ -184,3 +187,102 @@ def test_each_family_on_the_gpu_kernels_matches_the_float_reference(tmp_path: Pa
         for t in range(5, tokens.shape[1]):
             step = model(tokens[:, t:t + 1], torch.tensor([t], device="cuda"))
             torch.testing.assert_close(step[0, -1], expected[0, t], rtol=1e-3, atol=1e-3 * scale)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, context: int) -> torch.Tensor:
+    """The per-frequency factors llama.cpp's converter writes as rope_freqs.weight for a
+    Hugging Face config with rope type "llama3" (written here from the format's description)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str) -> None:
+    """Llama 3.1's rope scaling travels as a rope_freqs.weight tensor, linear scaling as two
+    keys; transformers computes the same rope from its own config. A 64-token original context
+    puts most frequencies in the scaled range, and 40 positions make them count: without the
+    scaling the logits are far off."""
+    needs_transformers()
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kernels.llama_q4k.weights import write_gguf
+
+    (tmp_path / "plain").mkdir()
+    plain = write_tiny(tmp_path / "plain" / "tiny.gguf", "llama")
+    args, weights, _ = load_gguf(plain)
+    hf_rope: dict[str, Any] = {"rope_type": scaling, "rope_theta": args.rope_theta, "factor": 4.0}
+    if scaling == "llama3":
+        hf_rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        weights["rope_freqs.weight"] = llama3_rope_factors(args.head_dim, args.rope_theta, 4.0, 1.0, 4.0, 64)
+    else:
+        args = dataclasses.replace(args, rope_scaling_factor=4.0)
+    scaled = tmp_path / "scaled.gguf"
+    write_gguf(scaled, args, weights, vocab_from=VOCAB)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(plain.parent), gguf_file=plain.name, dtype=torch.float32).eval()
+    hf.config.rope_parameters = hf_rope
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config=hf.config)
+    ids = torch.tensor([GGUFTokenizer(plain).encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]])
+    loaded_args, loaded, _ = load_gguf(scaled)
+    assert (loaded_args.rope_scaling_factor == 4.0) == (scaling == "linear")
+    results = {}
+    for name, (a, w) in {"scaled": (loaded_args, loaded), "unscaled": load_gguf(plain)[:2]}.items():
+        ours = build_model(a, w, ops=TORCH_OPS)
+        ours.setup_caches(1, ids.shape[1])
+        with torch.no_grad():
+            results[name] = ours(ids, torch.arange(ids.shape[1]))[0]
+    with torch.no_grad():
+        theirs = hf(ids).logits[0]
+    scale = theirs.abs().max().item()
+    diff = (results["scaled"] - theirs).abs().max().item() / scale
+    off = (results["unscaled"] - theirs).abs().max().item() / scale
+    assert diff < 1e-4, f"scaled rope differs from transformers' by {diff:.2e} of the largest logit"
+    assert off > 100 * max(diff, 1e-6), f"the scaling changes nothing the test can see ({off:.2e})"
+
+
+BPE_VOCAB = Path(__file__).parent / "fixtures" / "gguf" / "ggml-vocab-gpt-2.gguf"
+
+
+def test_a_bpe_vocabulary_tokenizes_as_its_own_ids_and_starts_without_bos(tmp_path: Path) -> None:
+    """GPT-2's byte-level BPE (merges, no scores) from llama.cpp's vocabulary file: its well-known
+    ids ("Hello" 15496, " world" 995), bytes of any script back to the same text, and no BOS,
+    as llama.cpp does for a BPE file that does not ask for one (Llama 3's pre-tokenizer does)."""
+    needs_transformers()
+    from kernels.llama_q4k.tokenizer import default_add_bos
+
+    tok = GGUFTokenizer(write_tiny_model(tmp_path / "bpe.gguf", "qwen2", BPE_VOCAB))
+    assert tok.meta["tokenizer.ggml.model"] == "gpt2" and "tokenizer.ggml.add_bos_token" not in tok.meta
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.encode(" Hello world") == [18435, 995]
+    for text in ["Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.", "def f(x):\n\treturn x**2  # 🦙"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert default_add_bos("gpt2", "llama-bpe") and not default_add_bos("gpt2", "qwen2")
+    assert default_add_bos("llama", "default") and not default_add_bos("t5", None)
+
+
+def test_a_bpe_vocabulary_model_matches_transformers(tmp_path: Path) -> None:
+    """The same independent check as the families', on a file whose vocabulary is BPE."""
+    needs_transformers()
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_model(tmp_path / "bpe.gguf", "qwen2", BPE_VOCAB)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([GGUFTokenizer(path).encode("The quick brown fox jumps over the lazy dog.")])
+    args, weights, _ = load_gguf(path)
+    ours = build_model(args, weights, ops=TORCH_OPS)
+    ours.setup_caches(1, ids.shape[1])
+    with torch.no_grad():
+        mine, theirs = ours(ids, torch.arange(ids.shape[1]))[0], hf(ids).logits[0]
+    assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
+    assert (mine - theirs).abs().max().item() < 1e-3 * theirs.abs().max().item()

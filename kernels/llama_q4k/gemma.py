@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.llama_q4k.model import Embedding, KVCache, ModelArgs, make_linear, torch_rms_norm
+from kernels.llama_q4k.model import Embedding, KVCache, ModelArgs, make_linear, rope_frequencies, torch_rms_norm
 from kernels.q4k.format import dequantize_q4_k
-from kernels.rope.rope import rope_inv_freq, torch_rope
+from kernels.rope.rope import torch_rope
 
 
 def softcap(x: Tensor, cap: float | None) -> Tensor:
@@ -124,8 +124,9 @@ class GemmaTransformer(nn.Module):
         def linear(*names: str) -> nn.Module:
             return make_linear([get(name) for name in names], dtype, dequantize)
 
-        global_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
-        local_freq = rope_inv_freq(args.head_dim, args.rope_local_theta).to(device)
+        # gemma3 4B and larger scale the rope of their global layers only (linear, factor 8)
+        global_freq = rope_frequencies(args, weights).to(device)
+        local_freq = rope_frequencies(args, weights, args.rope_local_theta, scaled=False).to(device)
         layers = []
         for i in range(args.n_layers):
             blk = f"blk.{i}."

@@ -63,7 +63,8 @@ class ModelArgs:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     # The family, as GGUF's general.architecture names it: "llama" (Llama 2/3.x, Mistral),
-    # "qwen2" (biases on q, k and v), "qwen3" (an RMSNorm on each head of q and k).
+    # "qwen2" (biases on q, k and v), "qwen3" (an RMSNorm on each head of q and k), "phi3" (a
+    # llama whose file fuses q/k/v and gate/up, and keeps Hugging Face's q/k row order).
     arch: str = "llama"
     head_dim_override: int | None = None  # qwen3 and gemma2 set it apart from dim / n_heads
     # gemma2's (gemma.py): attention scores and final logits soft-capped, a sliding window
@@ -71,6 +72,10 @@ class ModelArgs:
     final_logit_softcap: float | None = None
     sliding_window: int | None = None
     rope_local_theta: float = 10000.0  # gemma3's sliding layers (its global ones: rope_theta)
+    # Linear rope scaling ({arch}.rope.scaling.type "linear"): positions divided by this factor;
+    # gemma3 applies it to its global layers only. Llama 3.1's scaling is a tensor instead,
+    # rope_freqs.weight (see rope_frequencies).
+    rope_scaling_factor: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +88,22 @@ class ModelArgs:
     @property
     def qk_norm(self) -> bool:
         return self.arch in ("qwen3", "gemma3")
+
+
+def rope_frequencies(
+    args: ModelArgs, weights: dict[str, Tensor], theta: float | None = None, scaled: bool = True
+) -> Tensor:
+    """The rope's inverse frequencies as llama.cpp computes them: base `theta` (the file's by
+    default), each divided by its factor in `rope_freqs.weight` where the file has one (Llama
+    3.1 and later: the converter's llama3 scaling, one factor per frequency), and by the linear
+    scaling factor where `scaled`."""
+    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta if theta is None else theta)
+    factors = weights.get("rope_freqs.weight")
+    if factors is not None:
+        inv_freq = inv_freq / factors.float().reshape(-1)
+    if scaled and args.rope_scaling_factor:
+        inv_freq = inv_freq / args.rope_scaling_factor
+    return inv_freq
 
 
 CONFIGS: dict[str, ModelArgs] = {
@@ -356,7 +377,7 @@ class Transformer(nn.Module):
         def linear(*names: str) -> nn.Module:
             return make_linear([get(name) for name in names], dtype, dequantize)
 
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+        inv_freq = rope_frequencies(args, weights).to(device)
         layers = []
         for i in range(args.n_layers):
             blk = f"blk.{i}."
@@ -442,7 +463,7 @@ def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor
     embedding = weights["token_embd.weight"].to(device)[tokens]
     x = dequantize_q4_k(embedding) if embedding.dtype == torch.uint8 else embedding.float()
     positions = torch.arange(seq, device=device)
-    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta).to(device)
+    inv_freq = rope_frequencies(args, weights).to(device)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     for i in range(args.n_layers):
         blk = f"blk.{i}."

@@ -3,7 +3,8 @@
 The vocabulary (BPE or SentencePiece: tokens, scores, merges, token types, pre-tokenizer) is
 turned into a Hugging Face fast tokenizer by transformers' own GGUF conversion, never by a BPE
 of ours. Whether a BOS/EOS is added comes from `tokenizer.ggml.add_bos_token` /
-`add_eos_token`, as llama.cpp reads them. The chat template (`tokenizer.chat_template`) is
+`add_eos_token`, as llama.cpp reads them, and where a file has neither, from llama.cpp's
+defaults (`default_add_bos`). The chat template (`tokenizer.chat_template`) is
 rendered with jinja2 in a sandbox, with the variables and helpers chat templates expect.
 
     tok = GGUFTokenizer("model.gguf")
@@ -40,6 +41,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+# BPE pre-tokenizers for which llama.cpp adds a BOS when the file does not say (Llama 3's and
+# a few others'); every other BPE vocabulary (GPT-2's, Qwen's, ...) starts without one.
+BPE_PRE_TOKENIZERS_WITH_BOS = frozenset(
+    {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+     "jina-v5-nano", "tekken", "chameleon"}
+)
+
+
+def default_add_bos(model: str | None, pre: str | None) -> bool:
+    """llama.cpp's default for `tokenizer.ggml.add_bos_token` by vocabulary type: SentencePiece
+    ("llama") and WordPiece ("bert") add one, T5's Unigram does not, BPE ("gpt2") by its
+    pre-tokenizer."""
+    if model == "gpt2":
+        return pre in BPE_PRE_TOKENIZERS_WITH_BOS
+    return model in ("llama", "bert")
+
+
 class GGUFTokenizer:
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
@@ -50,8 +68,9 @@ class GGUFTokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         self.bos_id: int | None = self.meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id: int | None = self.meta.get("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(self.meta.get("tokenizer.ggml.add_bos_token", self.bos_id is not None))
-        self.add_eos = bool(self.meta.get("tokenizer.ggml.add_eos_token", False))
+        model, pre = self.meta.get("tokenizer.ggml.model"), self.meta.get("tokenizer.ggml.pre")
+        self.add_bos = bool(self.meta.get("tokenizer.ggml.add_bos_token", default_add_bos(model, pre)))
+        self.add_eos = bool(self.meta.get("tokenizer.ggml.add_eos_token", model == "t5"))
         self.chat_template: str | None = self.meta.get("tokenizer.chat_template")
 
     @property

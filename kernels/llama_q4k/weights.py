@@ -15,12 +15,18 @@ so the reader undoes that permutation and the writer applies it. It only moves w
 packed Q4_K rows move as they are.
 
 Families (general.architecture): llama (Llama 2/3.x, Mistral), qwen2 (q/k/v biases), qwen3
-(per-head q/k RMSNorm, its own head_dim), gemma2 and gemma3 (gemma.py). Only llama's q/k rows are permuted
-in the file: the Qwen and Gemma converters keep Hugging Face's order.
+(per-head q/k RMSNorm, its own head_dim), phi3 (q/k/v in one tensor, attn_qkv, and gate and up
+in one, ffn_up: split at load and fused again on write), gemma2 and gemma3 (gemma.py). Only
+llama's q/k rows are permuted in the file: the Qwen, Phi and Gemma converters keep Hugging
+Face's order.
 
-Not handled: Llama-3.1's rope scaling (a `rope_freqs.weight` tensor is loaded but unused);
-Mistral v0.1's sliding window; gemma3's rope scaling of its global layers (4B and larger);
-phi3 (fused qkv and gate_up tensors) is refused at load.
+Rope scaling: Llama 3.1's (a `rope_freqs.weight` tensor of per-frequency factors) and linear
+scaling (`{arch}.rope.scaling.type` "linear", gemma3 4B and larger on their global layers).
+
+Not handled: Mistral v0.1's sliding window (4096); Phi-3's sliding window (2047; llama.cpp
+ignores it too) and its long-context rope factors (`rope_factors_long/short`, the 128k models);
+YaRN scaling. A file with any of them loads and is right only within the window or the
+original context.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GEMMAS = ("gemma2", "gemma3")
+# Families whose files fuse matrices that the model keeps apart: fused name -> parts, in order.
+FUSED = {"phi3": {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_up": ("ffn_gate", "ffn_up")}}
 
 
 def tensor_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -93,6 +101,63 @@ def from_gguf_rows(weight: Tensor, n_heads: int) -> Tensor:
     return weight.reshape(n_heads, -1, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _split_fused(args: ModelArgs, weights: dict[str, Tensor], types: dict[str, str]) -> None:
+    """In place: each fused matrix of the family's files (FUSED) cut by rows into its parts.
+    Packed Q4_K rows are whole rows, so they are cut as they are."""
+    for i in range(args.n_layers):
+        for fused, parts in FUSED.get(args.arch, {}).items():
+            name = f"blk.{i}.{fused}.weight"
+            if name not in weights or f"blk.{i}.{parts[0]}.weight" in weights:
+                continue  # a file that keeps them apart (phi3 files may)
+            sizes = [_rows_of(part, args) for part in parts]
+            whole, kind = weights.pop(name), types.get(name, "")
+            if whole.shape[0] != sum(sizes):
+                raise ValueError(f"{name}: {whole.shape[0]} rows where {' + '.join(map(str, sizes))} were expected")
+            for part, piece in zip(parts, torch.split(whole, sizes), strict=True):
+                weights[f"blk.{i}.{part}.weight"] = piece.contiguous()
+                types[f"blk.{i}.{part}.weight"] = kind
+
+
+def _fuse(
+    args: ModelArgs, weights: dict[str, Tensor], quant_types: dict[str, GGMLQuantizationType]
+) -> tuple[dict[str, Tensor], dict[str, GGMLQuantizationType]]:
+    """The family's fused matrices (FUSED) put back together, in the file's order; the others
+    as they are."""
+    groups = FUSED.get(args.arch)
+    if not groups:
+        return weights, quant_types
+    out: dict[str, Tensor] = {}
+    types = dict(quant_types)
+    for name, weight in weights.items():
+        prefix, _, rest = name.rpartition(".")[0].rpartition(".")
+        for fused, parts in groups.items():
+            if not name.endswith(".weight"):
+                continue
+            if rest in parts:
+                if rest == parts[0]:
+                    pieces = [weights[f"{prefix}.{part}.weight"] for part in parts]
+                    kinds = {quant_types.get(f"{prefix}.{part}.weight") for part in parts}
+                    if len(kinds) > 1 or len({p.dtype for p in pieces}) > 1:
+                        raise ValueError(f"{prefix}.{fused}: its parts differ in type; a fused tensor has one")
+                    out[f"{prefix}.{fused}.weight"] = torch.cat(pieces)
+                    if (kind := kinds.pop()) is not None:
+                        types[f"{prefix}.{fused}.weight"] = kind
+                break
+        else:
+            out[name] = weight
+    return out, types
+
+
+def _rows_of(part: str, args: ModelArgs) -> int:
+    return {
+        "attn_q": args.n_heads * args.head_dim,
+        "attn_k": args.n_kv_heads * args.head_dim,
+        "attn_v": args.n_kv_heads * args.head_dim,
+        "ffn_gate": args.ffn_dim,
+        "ffn_up": args.ffn_dim,
+    }[part]
+
+
 def build_model(args: ModelArgs, weights: dict[str, Tensor], **kwargs: Any) -> torch.nn.Module:
     """The model of the file's family: Transformer (llama, qwen2, qwen3) or GemmaTransformer
     (gemma2, gemma3)."""
@@ -136,6 +201,10 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
             weights[tensor.name] = torch.from_numpy(np.array(values, dtype=np.float32))
     if "output.weight" not in weights:  # tied embeddings
         weights["output.weight"] = weights["token_embd.weight"]
+    scaling = optional(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"{path}: rope scaling {scaling!r}; this model program does none and linear")
+    factor = optional(f"{arch}.rope.scaling.factor") if scaling == "linear" else optional(f"{arch}.rope.scale_linear")
 
     args = ModelArgs(
         dim=int(field(f"{arch}.embedding_length")),
@@ -152,7 +221,9 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
         attn_logit_softcap=optional(f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=optional(f"{arch}.final_logit_softcapping"),
         sliding_window=optional(f"{arch}.attention.sliding_window"),
+        rope_scaling_factor=float(factor) if factor and float(factor) != 1.0 else None,
     )
+    _split_fused(args, weights, types)
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
             weights[name] = from_gguf_rows(weight, heads)
@@ -196,7 +267,13 @@ def write_gguf(
         writer.add_float32(f"{args.arch}.final_logit_softcapping", args.final_logit_softcap)
     if args.sliding_window:
         writer.add_uint32(f"{args.arch}.attention.sliding_window", args.sliding_window)
+    if args.rope_scaling_factor:
+        from gguf import RopeScalingType
+
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(args.rope_scaling_factor)
     writer.add_vocab_size(args.vocab_size)
+    weights, quant_types = _fuse(args, weights, quant_types)
     for name, weight in weights.items():
         if (heads := _heads_for(name, args)) is not None:
             weight = to_gguf_rows(weight, heads)
