@@ -471,6 +471,27 @@ for batch, group, position, max_seq, dtype in cases:
         "v_equal": torch.equal(caches[1], plain[1]),
         "others_untouched": torch.equal(caches[0][:, :, others], plain[0][:, :, others]),
     })
+# Each row at its own position (requests of a served batch that joined at different times).
+batch, kv_heads, q_heads, d, max_seq = 3, 2, 4, 64, 2 * CHUNK + 5
+positions = torch.tensor([5, CHUNK + 3, 0])
+q, k, v = torch.randn(batch, q_heads, d), torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
+caches = [torch.randn(batch, kv_heads, max_seq, d) for _ in range(2)]
+plain = [cache.clone() for cache in caches]
+inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+got = decode_attention(positions, q, k, v, inv_freq, *caches)
+want = torch_decode_attention(positions, q, k, v, inv_freq, *plain, rope=torch_rope)
+rows_alone = torch.cat([torch_decode_attention(positions[r:r + 1], q[r:r + 1], k[r:r + 1], v[r:r + 1], inv_freq,
+                                               plain[0][r:r + 1].clone(), plain[1][r:r + 1].clone(), rope=torch_rope)
+                        for r in range(batch)])
+report.append({
+    "case": "per-row positions",
+    "out_diff": (got.double() - want.double()).abs().max().item(),
+    "alone_diff": (want.double() - rows_alone.double()).abs().max().item(),
+    "out_scale": want.double().abs().max().item(),
+    "finite": bool(torch.isfinite(got).all()),
+    "k_slot_diff": max((caches[0][r, :, p] - plain[0][r, :, p]).abs().max().item() for r, p in enumerate(positions.tolist())),
+    "v_equal": torch.equal(caches[1], plain[1]),
+})
 print(json.dumps(report))
 """
 
@@ -483,7 +504,12 @@ def test_decode_attention_kernels_match_rope_cache_and_sdpa():
     child = subprocess.run([sys.executable, "-c", DECODE_ATTENTION_CHECK], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
-    for case in json.loads(child.stdout.strip().splitlines()[-1]):
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    per_row = report.pop()
+    assert per_row["finite"] and per_row["v_equal"], per_row
+    assert per_row["out_diff"] <= 1e-5 * per_row["out_scale"] and per_row["alone_diff"] <= 1e-6, per_row
+    assert per_row["k_slot_diff"] <= 1e-5, per_row
+    for case in report:
         assert case["finite"] and case["poison_ignored"], case
         assert case["v_equal"] and case["others_untouched"], case
         assert case["k_slot_diff"] <= 2 ** -7 * 4, case

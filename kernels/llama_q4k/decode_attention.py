@@ -90,6 +90,7 @@ def decode_attention_partial_kernel(
     group,
     n_splits,
     scale_log2,
+    position_stride,
     HALF: tl.constexpr,
     BLOCK_G: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -107,7 +108,9 @@ def decode_attention_partial_kernel(
     kv_head = pid % kv_heads
     dtype = k_cache_ptr.dtype.element_ty
 
-    position = tl.load(positions_ptr)
+    # One position for every row (stride 0), or each row its own (served requests that joined
+    # the batch at different times).
+    position = tl.load(positions_ptr + batch_row * position_stride)
     freqs = tl.arange(0, HALF)
 
     # This split's keys and values from the cache: positions before the token's. When the
@@ -211,10 +214,12 @@ def torch_decode_attention(
 ) -> torch.Tensor:
     """The framework's path: rope_cache (its torch ops with `rope`), then
     scaled_dot_product_attention over the cache with a position mask. q [B, Hq, D], k and v
-    [B, Hkv, D], positions [1]; returns [B, Hq * D]."""
+    [B, Hkv, D], positions [1] or [B]; returns [B, Hq * D]."""
     batch, q_heads, head_dim = q.shape
-    q_rot = rope_cache(positions.repeat(batch), q, k, v, inv_freq, k_cache, v_cache, rope=rope)
-    mask = torch.arange(k_cache.shape[2], device=q.device)[None, :] <= positions[:, None]
+    per_row = positions if positions.numel() == batch else positions.repeat(batch)
+    q_rot = rope_cache(per_row, q, k, v, inv_freq, k_cache, v_cache, rope=rope)
+    # [B, 1, 1, S]: each row attends to its own positions
+    mask = (torch.arange(k_cache.shape[2], device=q.device)[None, :] <= per_row[:, None])[:, None, None, :]
     y = F.scaled_dot_product_attention(
         q_rot.view(batch, 1, q_heads, head_dim).transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True
     )
@@ -233,7 +238,8 @@ def decode_attention(
     chunk: int = CHUNK,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """One decode token per batch row at position positions[0]: q [B, Hq, D], k and v [B, Hkv, D]
+    """One decode token per batch row at position positions[0], or at positions[b] for row b when
+    positions has one per row: q [B, Hq, D], k and v [B, Hkv, D]
     (any strides with dense heads), caches [B, Hkv, max_seq, D]. Rotates q and k, writes k and v
     into the caches at the position, and returns the attention output [B, Hq * D] over cache
     positions 0..position. Two kernels on GPU tensors and under the interpreter; plain PyTorch
@@ -250,10 +256,10 @@ def decode_attention(
         or q_heads % kv_heads
         or k_cache.stride(-1) != 1
         or k_cache.stride() != v_cache.stride()
-        or positions.numel() != 1
+        or positions.numel() not in (1, batch)
     ):
         raise ValueError(
-            "decode_attention needs one position, a power-of-two head_dim >= 32, query heads a "
+            "decode_attention needs one position or one per row, a power-of-two head_dim >= 32, query heads a "
             "multiple of KV heads and dense caches sharing one layout"
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -287,6 +293,7 @@ def decode_attention(
         group,
         n_splits,
         LOG2_E / math.sqrt(head_dim),
+        1 if positions.numel() > 1 else 0,
         HALF=head_dim // 2,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot wants 16 rows
         CHUNK=chunk,

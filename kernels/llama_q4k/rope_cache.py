@@ -109,17 +109,17 @@ def rope_cache(
     rope: Callable | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] rotated (returned), and k rotated and v copied into the caches
-    [batch, Hkv, max_seq, D] at their positions; T = batch * seq tokens, batch-major, with the
-    same `seq` positions [T] for every batch row. One kernel on GPU tensors and under the
+    [batch, Hkv, max_seq, D] at their positions; T = batch * seq tokens, batch-major, each at
+    its own position (positions [T]). One kernel on GPU tensors and under the
     interpreter; given `rope` (or on plain CPU tensors), the unfused three instead: `rope`
     (default: the rope kernel) on q and k, then index_copy_ of k and v."""
     if rope is not None or not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         q_rot, k_rot = (rope or apply_rope)(positions, q, k, inv_freq)
         batch, kv_heads, _, head_dim = k_cache.shape
-        seq = positions.shape[0] // batch
-        slots = positions[:seq]
-        k_cache.index_copy_(2, slots, k_rot.view(batch, seq, kv_heads, head_dim).transpose(1, 2))
-        v_cache.index_copy_(2, slots, v.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2))
+        # Token t goes to row t // seq at its own position (rows of a served batch may differ).
+        rows = torch.arange(batch, device=positions.device).repeat_interleave(positions.shape[0] // batch)
+        k_cache[rows, :, positions] = k_rot.reshape(-1, kv_heads, head_dim).to(k_cache.dtype)
+        v_cache[rows, :, positions] = v.reshape(-1, kv_heads, head_dim).to(v_cache.dtype)
         return q_rot
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]

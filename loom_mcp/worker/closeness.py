@@ -52,7 +52,7 @@ def _pieces(*tensors: torch.Tensor | None) -> Any:
     flats = [t.reshape(-1) if t is not None else None for t in tensors]
     total = next(f for f in flats if f is not None).numel()
     for start in range(0, total, CHUNK_ELEMENTS):
-        yield [f[start:start + CHUNK_ELEMENTS] if f is not None else None for f in flats]
+        yield [f[start : start + CHUNK_ELEMENTS] if f is not None else None for f in flats]
 
 
 class _Norm:

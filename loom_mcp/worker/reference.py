@@ -187,7 +187,7 @@ def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device:
     synchronize(device)
     note = None
     exact = None
-    if wants64:
+    if wants64 and model64 is not None and inputs64 is not None:
         try:
             model64 = model64.double().to(device).eval()
             with torch.no_grad():

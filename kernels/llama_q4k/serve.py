@@ -1,0 +1,322 @@
+"""An OpenAI-compatible server for a GGUF model program.
+
+    python -m kernels.llama_q4k.serve --gguf model.gguf --port 8000 --memory-budget 40GiB
+
+Endpoints: POST /v1/chat/completions and /v1/completions (`"stream": true` for server-sent
+events), GET /v1/models, /health and /metrics (Prometheus text: requests, tokens, time to first
+token, decode step time, queue depth, rows in use, KV cache use). Requests share decode steps
+(kernels/llama_q4k/engine.py). The KV cache is sized from --memory-budget after the weights: a
+prompt that can never fit is a 400 (`context_length_exceeded`), a full queue a 429. It listens
+on 127.0.0.1 unless --host says otherwise.
+
+Sampling fields: temperature, top_p, seed, max_tokens (or max_completion_tokens), stop, and
+llama.cpp's top_k, min_p and repeat_penalty. Not yet: tools / tool_choice, n > 1, logprobs,
+image content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kernels.llama_q4k.engine import Engine, Finished, Refused, Request, Token, kv_bytes_per_token
+from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS
+from kernels.llama_q4k.sampling import SamplingParams
+from kernels.llama_q4k.tokenizer import GGUFTokenizer
+from kernels.llama_q4k.weights import build_model, load_gguf
+
+log = logging.getLogger("loom.serve")
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'40GiB', '512MiB', '1.5G' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 40GiB, 512MiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+class Served:
+    """The model program, its tokenizer and its engine, sized from a memory budget."""
+
+    def __init__(
+        self, path: str, device: str, memory_budget: int, max_batch: int = 8, max_context: int | None = None
+    ) -> None:
+        self.name = path.rsplit("/", 1)[-1]
+        self.device = torch.device(device)
+        self.tokenizer = GGUFTokenizer(path)
+        args, weights, _ = load_gguf(path)
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        cuda = self.device.type == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        per_token = kv_bytes_per_token(args, dtype)
+        room = memory_budget - weight_bytes
+        context = min(args.context_length, max_context or args.context_length, max(room, 0) // (per_token * max_batch))
+        if context < 16:
+            raise ValueError(
+                f"--memory-budget {memory_budget / (1 << 30):.2f} GiB leaves room for {max(context, 0)} positions "
+                f"per row after {weight_bytes / (1 << 30):.2f} GiB of weights ({per_token} bytes of KV per "
+                f"position, {max_batch} rows); raise the budget or lower --max-batch"
+            )
+        model = build_model(args, weights, device=self.device, dtype=dtype, ops=KERNEL_OPS if cuda else TORCH_OPS)
+        self.engine = Engine(model, self.tokenizer, max_batch=max_batch, max_seq=context)
+        self.kv_bytes = per_token * self.engine.max_batch * context
+        self.created = int(time.time())
+        log.info(
+            "%s: %s, %d rows of %d positions (%.2f GiB of KV cache), weights %.2f GiB, on %s",
+            self.name, args.arch, self.engine.max_batch, context, self.kv_bytes / (1 << 30),
+            weight_bytes / (1 << 30), self.device,
+        )
+
+
+def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}}, status_code=status)
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
+        top_k=int(body.get("top_k") or 0),
+        top_p=float(body.get("top_p") if body.get("top_p") is not None else 1.0),
+        min_p=float(body.get("min_p") or 0.0),
+        repetition_penalty=float(body.get("repeat_penalty") or body.get("repetition_penalty") or 1.0),
+        seed=int(body["seed"]) if body.get("seed") is not None else None,
+    )
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    return [stop] if isinstance(stop, str) else [str(s) for s in stop or []]
+
+
+async def _events(request: Request) -> AsyncIterator[Token | Finished]:
+    """The request's events, waited for off the event loop."""
+    iterator = request.events()
+    while True:
+        item = await asyncio.to_thread(next, iterator, None)
+        if item is None:
+            return
+        yield item
+
+
+def build_app(served: Served) -> Starlette:
+    engine, tokenizer = served.engine, served.tokenizer
+
+    async def health(_: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok", "model": served.name, "rows": engine.max_batch, "context": engine.max_seq})
+
+    async def models(_: HttpRequest) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created, "owned_by": "loom"}]}
+        )
+
+    async def metrics(_: HttpRequest) -> Response:
+        s = engine.stats
+        used = sum(engine.positions[i] for i, r in enumerate(engine.rows) if r is not None)
+        lines = [
+            f"loom_serve_requests_total {s.requests}",
+            f"loom_serve_requests_finished_total {s.finished}",
+            f"loom_serve_requests_refused_total {s.refused}",
+            f"loom_serve_prompt_tokens_total {s.prompt_tokens}",
+            f"loom_serve_completion_tokens_total {s.completion_tokens}",
+            f"loom_serve_decode_steps_total {s.decode_steps}",
+            f"loom_serve_queue_depth {engine.waiting.qsize()}",
+            f"loom_serve_rows_active {engine.active()}",
+            f"loom_serve_rows_largest_batch {s.largest_batch}",
+            f"loom_serve_kv_cache_positions_used {used}",
+            f"loom_serve_kv_cache_positions_total {engine.max_batch * engine.max_seq}",
+        ]
+        for name, values in (("ttft_seconds", s.ttft_s), ("decode_step_seconds", s.step_s)):
+            if values:
+                qs = statistics.quantiles(values, n=20) if len(values) > 1 else [values[0]] * 19
+                lines += [
+                    f'loom_serve_{name}{{quantile="0.5"}} {statistics.median(values):.6f}',
+                    f'loom_serve_{name}{{quantile="0.95"}} {qs[18]:.6f}',
+                ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def body_of(http: HttpRequest) -> dict[str, Any]:
+        try:
+            body = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise Refused("the body is not JSON", 400, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise Refused("the body must be a JSON object", 400, "invalid_json")
+        if body.get("n", 1) != 1:
+            raise Refused("n > 1 is not supported", 400, "unsupported")
+        if body.get("tools"):
+            raise Refused("tools are not supported by this server yet", 400, "unsupported")
+        return body
+
+    async def respond(http: HttpRequest, chat: bool) -> Response:
+        try:
+            body = await body_of(http)
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise Refused("messages must be a non-empty list", 400, "invalid_messages")
+                flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
+                prompt = tokenizer.encode(tokenizer.chat(flat), special_text=True)
+            else:
+                text = body.get("prompt")
+                if not isinstance(text, str):
+                    raise Refused("prompt must be a string", 400, "invalid_prompt")
+                prompt = tokenizer.encode(text)
+            params = _sampling(body)
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
+            request = engine.submit(prompt, params, max_tokens, stop_texts=_stops(body))
+        except Refused as exc:
+            return _error(exc.status, str(exc), exc.code, "rate_limit_error" if exc.status == 429 else "invalid_request_error")
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc), "invalid_value")
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            return StreamingResponse(_stream(request, ident, created, chat, served.name, http), media_type="text/event-stream")
+        finished: Finished | None = None
+        try:
+            async for event in _events(request):
+                if isinstance(event, Finished):
+                    finished = event
+        except RuntimeError as exc:
+            return _error(500, str(exc), "generation_failed", "server_error")
+        assert finished is not None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finished.reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": finished.text}
+        else:
+            choice["text"] = finished.text
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": served.name,
+                "choices": [choice],
+                "usage": _usage(finished),
+            }
+        )
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await respond(http, chat=True)
+
+    async def completions(http: HttpRequest) -> Response:
+        return await respond(http, chat=False)
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/metrics", metrics),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of content parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                raise Refused("only text content parts are supported", 400, "unsupported")
+        return "".join(parts)
+    raise Refused("message content must be a string or a list of parts", 400, "invalid_messages")
+
+
+def _usage(finished: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+    }
+
+
+async def _stream(
+    request: Request, ident: str, created: int, chat: bool, model: str, http: HttpRequest
+) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: dict[str, Any] | str, reason: str | None, usage: dict | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        payload: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+    if chat:
+        yield chunk({"role": "assistant", "content": ""}, None)
+    try:
+        async for event in _events(request):
+            if await http.is_disconnected():
+                request.cancelled = True
+            if isinstance(event, Token):
+                if event.text:
+                    yield chunk({"content": event.text} if chat else event.text, None)
+            else:
+                yield chunk({} if chat else "", event.reason, _usage(event))
+    except RuntimeError as exc:
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="127.0.0.1 unless you mean to serve other machines")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--memory-budget", default="8GiB", help="weights plus KV cache, e.g. 40GiB")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    parser.add_argument("--max-context", type=int, help="positions per request (default: what the budget allows)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    import uvicorn
+
+    try:
+        served = Served(opts.gguf, opts.device, parse_bytes(opts.memory_budget), opts.max_batch, opts.max_context)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_app(served), host=opts.host, port=opts.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

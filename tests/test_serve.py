@@ -1,0 +1,149 @@
+"""The model program's OpenAI-compatible server (kernels/llama_q4k/serve.py), run as its real
+command on a tiny model and driven with the official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from kernels.llama_q4k.chat import TextModel  # noqa: E402
+from kernels.llama_q4k.sampling import SamplingParams  # noqa: E402
+from kernels.llama_q4k.weights import write_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = ROOT / "tests" / "fixtures" / "gguf" / "ggml-vocab-phi-3.gguf"
+PROMPTS = ["Once upon a time", "The capital of France is", "def main():", "In 1969, Apollo 11"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernels.llama_q4k.serve", "--gguf", str(model), "--port", str(port),
+         "--device", "cpu", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the server did not answer /health in 120 s")
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / "tiny.gguf", "llama", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def server(model_file: Path) -> Iterator[str]:
+    proc, url = _start(model_file, "--memory-budget", "64MiB", "--max-batch", "4", "--max-context", "160")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def solo(model_file: Path) -> TextModel:
+    """The same file through plain one-request decoding (chat.py): what each served reply must be."""
+    return TextModel(str(model_file), "cpu", max_seq=160)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_completions_are_plain_greedy_decoding_and_stream_the_same_text(server: str, solo: TextModel) -> None:
+    client = _client(server)
+    want = solo.complete(PROMPTS[0], SamplingParams(), max_new_tokens=24)
+    got = client.completions.create(model="tiny.gguf", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == len(want.tokens)
+    assert got.choices[0].finish_reason == ("length" if want.stopped_by == "length" else "stop")
+    pieces = client.completions.create(model="tiny.gguf", prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces) == want.text
+
+
+def test_chat_goes_through_the_files_template_and_streams(server: str, solo: TextModel) -> None:
+    client = _client(server)
+    messages = [{"role": "user", "content": "Say something."}]
+    want = solo.chat(messages, SamplingParams(), max_new_tokens=20)
+    got = client.chat.completions.create(model="tiny.gguf", messages=messages, max_tokens=20, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    stream = client.chat.completions.create(
+        model="tiny.gguf", messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want.text
+
+
+def test_concurrent_requests_share_decode_steps_and_keep_their_own_answers(server: str, solo: TextModel) -> None:
+    """Four requests at once (two seeded samples among them) decode together, each joining and
+    leaving the batch on its own, and each gets what it gets alone."""
+    client = _client(server)
+    results: dict[int, str] = {}
+    seeded = {1: 7, 3: 11}
+
+    def ask(i: int) -> None:
+        params = {"temperature": 0.8, "top_p": 0.9, "seed": seeded[i]} if i in seeded else {"temperature": 0}
+        reply = client.completions.create(model="tiny.gguf", prompt=PROMPTS[i], max_tokens=40 + 8 * i, **params)
+        results[i] = reply.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, text in results.items():
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=seeded[i]) if i in seeded else SamplingParams()
+        assert text == solo.complete(PROMPTS[i], params, max_new_tokens=40 + 8 * i).text, i
+    metrics = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
+    largest = int(next(line.split()[1] for line in metrics.splitlines() if line.startswith("loom_serve_rows_largest_batch")))
+    assert largest >= 2, metrics
+
+
+def test_what_cannot_fit_is_refused_with_a_reason(server: str, model_file: Path) -> None:
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny.gguf", prompt="word " * 400, max_tokens=4)
+    assert refused.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny.gguf", messages=[], max_tokens=4)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny.gguf"]
+    small = subprocess.run(
+        [sys.executable, "-m", "kernels.llama_q4k.serve", "--gguf", str(model_file), "--device", "cpu",
+         "--memory-budget", "1MiB"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert small.returncode == 2 and "--memory-budget" in small.stderr, small.stderr[-2000:]
