@@ -147,3 +147,44 @@ def test_what_cannot_fit_is_refused_with_a_reason(server: str, model_file: Path)
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert small.returncode == 2 and "--memory-budget" in small.stderr, small.stderr[-2000:]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tool_calls_round_trip_through_the_openai_client(server: str) -> None:
+    """A named tool without parameters is called outright; its call and result go back through
+    the file's template (Phi-3's knows no tools: the tools travel in a system message) and the
+    model answers in text. Streamed, the call arrives as one tool_calls delta."""
+    client = _client(server)
+    messages: list[dict] = [{"role": "user", "content": "What time is it?"}]
+    first = client.chat.completions.create(
+        model="tiny.gguf", messages=messages, tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=8,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and call.function.arguments == "{}" and call.id.startswith("call_")
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:30"},
+    ]
+    second = client.chat.completions.create(model="tiny.gguf", messages=messages, tools=[WEATHER, CLOCK],
+                                            max_tokens=6, temperature=0)
+    assert second.choices[0].message.role == "assistant"
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered
+    stream = client.chat.completions.create(
+        model="tiny.gguf", messages=messages[:1], tools=[CLOCK], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    deltas = [c.choices[0] for c in stream]
+    assert deltas[0].delta.tool_calls[0].function.name == "get_time"
+    assert deltas[-1].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny.gguf", messages=messages[:1], tools=[CLOCK],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -10,7 +10,9 @@ prompt that can never fit is a 400 (`context_length_exceeded`), a full queue a 4
 on 127.0.0.1 unless --host says otherwise.
 
 Sampling fields: temperature, top_p, seed, max_tokens (or max_completion_tokens), stop, and
-llama.cpp's top_k, min_p and repeat_penalty. Not yet: tools / tool_choice, n > 1, logprobs,
+llama.cpp's top_k, min_p and repeat_penalty. Tools: `tools` and `tool_choice` through the
+model's own chat template, calls parsed from its output into `tool_calls` (kernels/llama_q4k/
+tools.py); a streamed reply with tools comes as one chunk at the end. Not yet: n > 1, logprobs,
 image content.
 """
 
@@ -39,6 +41,7 @@ from kernels.llama_q4k.engine import Engine, Finished, Refused, Request, Token, 
 from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS
 from kernels.llama_q4k.sampling import SamplingParams
 from kernels.llama_q4k.tokenizer import GGUFTokenizer
+from kernels.llama_q4k.tools import forced_start, format_of, parse_tool_calls, prepare_messages
 from kernels.llama_q4k.weights import build_model, load_gguf
 
 log = logging.getLogger("loom.serve")
@@ -161,11 +164,11 @@ def build_app(served: Served) -> Starlette:
             raise Refused("the body must be a JSON object", 400, "invalid_json")
         if body.get("n", 1) != 1:
             raise Refused("n > 1 is not supported", 400, "unsupported")
-        if body.get("tools"):
-            raise Refused("tools are not supported by this server yet", 400, "unsupported")
         return body
 
     async def respond(http: HttpRequest, chat: bool) -> Response:
+        tools: list[dict[str, Any]] | None = None
+        forced, complete, fmt = "", False, "hermes"
         try:
             body = await body_of(http)
             if chat:
@@ -173,7 +176,16 @@ def build_app(served: Served) -> Starlette:
                 if not isinstance(messages, list) or not messages:
                     raise Refused("messages must be a non-empty list", 400, "invalid_messages")
                 flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
-                prompt = tokenizer.encode(tokenizer.chat(flat), special_text=True)
+                tools = body.get("tools") or None
+                choice = body.get("tool_choice")
+                fmt = format_of(tokenizer.chat_template)
+                if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+                    raise Refused("tools must be a list of objects", 400, "invalid_tools")
+                if choice == "none":
+                    tools = None
+                shaped, extra = prepare_messages(flat, tools, tokenizer.chat_template)
+                forced, complete = forced_start(choice, tools or [], fmt) if tools else ("", False)
+                prompt = tokenizer.encode(tokenizer.chat(shaped, **extra) + forced, special_text=True)
             else:
                 text = body.get("prompt")
                 if not isinstance(text, str):
@@ -181,7 +193,10 @@ def build_app(served: Served) -> Starlette:
                 prompt = tokenizer.encode(text)
             params = _sampling(body)
             max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
-            request = engine.submit(prompt, params, max_tokens, stop_texts=_stops(body))
+            if complete:  # the named call is all there is to say: nothing to generate
+                request = None
+            else:
+                request = engine.submit(prompt, params, max_tokens, stop_texts=_stops(body))
         except Refused as exc:
             return _error(exc.status, str(exc), exc.code, "rate_limit_error" if exc.status == 429 else "invalid_request_error")
         except (ValueError, TypeError) as exc:
@@ -189,19 +204,35 @@ def build_app(served: Served) -> Starlette:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        if body.get("stream"):
+        if body.get("stream") and not tools:
+            assert request is not None
             return StreamingResponse(_stream(request, ident, created, chat, served.name, http), media_type="text/event-stream")
         finished: Finished | None = None
-        try:
-            async for event in _events(request):
-                if isinstance(event, Finished):
-                    finished = event
-        except RuntimeError as exc:
-            return _error(500, str(exc), "generation_failed", "server_error")
+        if request is None:
+            finished = Finished("stop", "", len(prompt), 0, 0.0, 0.0)
+        else:
+            try:
+                async for event in _events(request):
+                    if isinstance(event, Finished):
+                        finished = event
+            except RuntimeError as exc:
+                return _error(500, str(exc), "generation_failed", "server_error")
         assert finished is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finished.reason, "logprobs": None}
+        reason, message = finished.reason, {"role": "assistant", "content": finished.text}
+        if tools:
+            content, calls = parse_tool_calls(forced + finished.text, fmt)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                reason = "tool_calls"
+        if body.get("stream"):  # with tools: the whole reply as one chunk, then the end
+            return StreamingResponse(
+                _one_chunk(ident, created, served.name, message, reason, _usage(finished)),
+                media_type="text/event-stream",
+            )
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": finished.text}
+            choice["message"] = message
         else:
             choice["text"] = finished.text
         return JSONResponse(
@@ -262,6 +293,20 @@ def _usage(finished: Finished) -> dict[str, int]:
         "completion_tokens": finished.completion_tokens,
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
     }
+
+
+async def _one_chunk(
+    ident: str, created: int, model: str, message: dict[str, Any], reason: str, usage: dict[str, int]
+) -> AsyncIterator[str]:
+    delta = dict(message)
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
+    for choice, extra in (({"index": 0, "delta": delta, "finish_reason": None}, {}),
+                          ({"index": 0, "delta": {}, "finish_reason": reason}, {"usage": usage})):
+        payload = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [choice], **extra}
+        yield f"data: {json.dumps(payload)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _stream(
