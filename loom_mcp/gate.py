@@ -214,6 +214,8 @@ def _judge_benchmark(benchmark: BenchmarkEvidence, config: GateConfig, out: _Rea
     for f in benchmark.findings:
         if f.severity == "error":
             out.add("benchmark.misbehaved", f"{f.check}: {f.message}")
+        elif f.check == "benchmark.timing_ambiguous":
+            out.add("review.timing_ambiguous", f"{f.check}: {f.message}")
         else:
             out.warnings.append(f"{f.check}: {f.message}")
     if not benchmark.shapes or benchmark.geomean is None:
@@ -328,6 +330,7 @@ def benchmark_reasons(benchmark: BenchmarkEvidence, config: GateConfig) -> list[
 _REVIEW_PHRASES: dict[str, str] = {
     "review.below_floor": "a time below the physical floor (bytes / peak bandwidth or FLOPs / peak rate)",
     "review.implausible_speedup": "a speedup above max_plausible_speedup",
+    "review.timing_ambiguous": "own clocks the trusted timer supports only if the candidate's process switches slower",
     "review.proof_failed": "the candidate's own kernels were not seen in the profiler trace",
     "review.proof_unknown": "it was not established that the candidate's own kernels ran",
     "review.wall_clock": "timed by host wall clock, not device events",

@@ -408,6 +408,7 @@ ReasonCode = Literal[
     "review.proof_unknown",
     "review.wall_clock",
     "review.throttled",
+    "review.timing_ambiguous",  # own clocks agree with the brackets only granting a dearer switch
 ]
 
 

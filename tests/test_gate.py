@@ -319,6 +319,13 @@ SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
         "needs_review",
         "review.throttled",
     ),
+    "timing ambiguous": (
+        lambda: judge(benchmark=good_benchmark(findings=[Finding(
+            check="benchmark.timing_ambiguous", severity="warning",
+            message="own clocks supported only with a dearer switch")])),
+        "needs_review",
+        "review.timing_ambiguous",
+    ),
 }
 
 

@@ -234,3 +234,25 @@ def test_a_comparison_in_pieces_reads_what_one_whole_pass_reads(monkeypatch, cas
             assert pieces[key] == value, key
     assert whole["passed"] is (case == "honest")
     assert closeness.degenerate([torch.full((50,), 2.0)]) and not closeness.degenerate([native])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_float64_run_sees_the_inputs_the_native_run_was_given(dtype):
+    """A task whose Model changes its input in place: the float64 run must still read the
+    original input, or the reference's own error balloons and widens the bounds until an
+    all-zero output passes (for float64 inputs, .double() is the tensor itself)."""
+    import types
+
+    from loom_mcp.worker.closeness import compare_one, reference_stats
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            x.mul_(2)
+            return x + 1
+
+    x = torch.randn(4096, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    native, exact, _ = ref.reference_outputs(types.SimpleNamespace(Model=Model), {"seed": 1}, [x], [], torch.device("cpu"))
+    stats = reference_stats(native, exact)[0]
+    assert stats["ref_norm_rel_err"] < 1e-6
+    tol = {"atol": 1e-7, "rtol": 1e-7}
+    assert not compare_one(torch.zeros_like(native[0]), native[0], exact[0], tol, stats)["passed"]

@@ -176,45 +176,84 @@ def test_the_candidates_bracket_cost_is_its_own_within_the_spread_of_processes()
     assert candidate_bracket_cost(283e-6, [292e-6, 293e-6, 294e-6]) == pytest.approx(293e-6)
     assert candidate_bracket_cost(293e-6, [900e-6, 950e-6]) == pytest.approx(293e-6 + CONTEXT_SWITCH_SPREAD_S)
     assert candidate_bracket_cost(293e-6, []) == pytest.approx(293e-6)
+    assert candidate_bracket_cost(283e-6, [293e-6], spread=0.0) == pytest.approx(283e-6)  # the strict reading
 
 
-def _softmax_on_the_h200(candidate_switch_s: float, forged: float) -> list:
+def _softmax_on_the_h200(candidate_switch_s: float, forged: float, empties_s: float | None = None) -> list:
     """The built-in softmax's shapes as an H200 timed them (own-event medians, us), the switch
-    into the baseline's process 283 us and into the candidate's `candidate_switch_s`."""
+    into the baseline's process 283 us and into the candidate's `candidate_switch_s`; its empty
+    calls read `empties_s` (default: its switch, as an honest arm's do)."""
     medians = {"t1": (43.8, 8.4), "t8": (46.3, 9.3), "t64": (90.4, 52.7), "v32k": (20.7, 8.1),
                "r512": (23.3, 6.4), "r4096": (133.2, 19.6), "r16384": (497.1, 66.3), "tail": (33.8, 8.6)}
     noise = [1 + 0.002 * ((i * 7) % 5 - 2) for i in range(40)]
     samples, meta = {}, []
     base_cost = 283e-6
-    cand_cost = candidate_bracket_cost(base_cost, [candidate_switch_s] * 4)
+    empties = [candidate_switch_s if empties_s is None else empties_s] * 4
+    strict = candidate_bracket_cost(base_cost, empties, spread=0.0)
+    lenient = candidate_bracket_cost(base_cost, empties)
     for name, (base_us, cand_us) in medians.items():
         own_a = [base_us * 1e-6 * n for n in noise]
         true_b = [cand_us * 1e-6 * n for n in reversed(noise)]
+        raw_b = [t + candidate_switch_s + 1.2e-6 for t in true_b]
         trusted_a = subtract_overhead([t + base_cost + 1.2e-6 for t in own_a], base_cost)
-        trusted_b = subtract_overhead([t + candidate_switch_s + 1.2e-6 for t in true_b], cand_cost)
         residual = harness_residual(trusted_a, own_a)
         samples[name] = {"a": own_a, "b": [t * forged for t in true_b],
                          "trusted_a": subtract_overhead(trusted_a, residual),
-                         "trusted_b": subtract_overhead(trusted_b, residual)}
+                         "trusted_b": subtract_overhead(subtract_overhead(raw_b, strict), residual),
+                         "trusted_b_lenient": subtract_overhead(subtract_overhead(raw_b, lenient), residual)}
         meta.append({"name": name})
     gate = load_config(None, environ={}).gate
     trusted = trusted_geomean_of(meta, samples, gate)
+    wide = trusted_geomean_of(meta, samples, gate, key="trusted_b_lenient")
     own = analyze_shapes([ShapeSamples(name=m["name"], baseline_s=samples[m["name"]]["a"],
                                        candidate_s=samples[m["name"]]["b"]) for m in meta], gate).geomean
-    assert trusted is not None and own is not None
+    assert trusted is not None and wide is not None and own is not None
     findings: list = []
-    flag_disagreement(trusted, own, findings)
+    flag_disagreement(trusted, own, findings, wide)
     return findings
 
 
-def test_a_dearer_switch_into_the_candidates_process_is_no_forged_clock():
+def test_a_dearer_switch_into_the_candidates_process_goes_to_review_not_rejection():
     """On the H200 the candidate's process took 10 us more per switch than the baseline's for
     a whole benchmark; capped at the baseline's cost, that rejected the honest softmax (4.2x by
-    its events, 3.6x by the brackets). A clock reporting 40 % of the truth is caught: on
-    kernels this short the brackets' resolution lets no finer forgery show."""
-    assert _softmax_on_the_h200(293e-6, forged=1.0) == []
-    assert _softmax_on_the_h200(293e-6, forged=0.4)
-    assert _softmax_on_the_h200(283e-6 + 40e-6, forged=1.0)  # a switch past the spread counts against it
+    its events, 3.6x by the brackets). Now it is a review: the same reading comes from a
+    candidate that slows only its empty calls. A clock reporting 40 % of the truth is rejected."""
+    (finding,) = _softmax_on_the_h200(293e-6, forged=1.0)
+    assert finding.check == "benchmark.timing_ambiguous" and finding.severity == "warning"
+    assert _softmax_on_the_h200(283e-6, forged=1.0) == []  # equal switches: nothing to say
+    assert [f.severity for f in _softmax_on_the_h200(293e-6, forged=0.4)] == ["error"]
+    assert [f.severity for f in _softmax_on_the_h200(283e-6 + 40e-6, forged=1.0)] == ["error"]
+
+
+def test_slowed_empty_calls_never_clear_a_forged_clock():
+    """A candidate no faster than the baseline (20 us), whose empty calls sleep 12 us and whose
+    clock claims 4x: the lenient reading alone would clear it; it is sent to review at least."""
+    gate, switch = load_config(None, environ={}).gate, 283e-6
+    true = [20e-6 * (1 + 0.002 * ((i * 7) % 5 - 2)) for i in range(40)]
+    empties = [switch + 12e-6] * 4
+    raw_b = [t + switch + 1.2e-6 for t in reversed(true)]
+    trusted_a = subtract_overhead([t + switch + 1.2e-6 for t in true], switch)
+    residual = harness_residual(trusted_a, true)
+    samples = {"s": {
+        "trusted_a": subtract_overhead(trusted_a, residual),
+        "trusted_b": subtract_overhead(subtract_overhead(raw_b, candidate_bracket_cost(switch, empties, 0.0)), residual),
+        "trusted_b_lenient": subtract_overhead(subtract_overhead(raw_b, candidate_bracket_cost(switch, empties)), residual),
+    }}
+    meta = [{"name": "s"}]
+    own = analyze_shapes([ShapeSamples(name="s", baseline_s=true, candidate_s=[t / 4 for t in reversed(true)])],
+                         gate).geomean
+    strict, wide = trusted_geomean_of(meta, samples, gate), trusted_geomean_of(meta, samples, gate, "trusted_b_lenient")
+    assert strict is not None and wide is not None and own is not None
+    findings: list = []
+    flag_disagreement(strict, own, findings, wide)
+    assert findings, "a forged 4x clock went through"
+    from loom_mcp.gate import benchmark_reasons
+    from loom_mcp.judge_models import BenchmarkEvidence
+
+    codes = {code for code, _ in benchmark_reasons(BenchmarkEvidence(
+        benchmark_id="b", device="H200", timer="cuda_events", shapes=[], geomean=None, findings=findings),
+        gate)}
+    assert codes & {"benchmark.misbehaved", "review.timing_ambiguous"}
 
 
 def test_the_harness_residual_is_capped_and_never_negative():

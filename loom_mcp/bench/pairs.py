@@ -100,7 +100,10 @@ async def run_pairs(
             # The timer's brackets hold its own cost (a context switch each way on a GPU, a
             # socket round trip on a CPU); each arm's empty calls measure it for that arm.
             record["overhead"] = statistics.median(overhead["baseline"]) if overhead["baseline"] else 0.0
-            candidate_overhead = candidate_bracket_cost(record["overhead"], overhead["candidate"])
+            # Strict: the candidate's switch never dearer than the baseline's. That reading is
+            # the CPU's samples and what clears an own clock; the lenient one only sends to review.
+            candidate_overhead = candidate_bracket_cost(record["overhead"], overhead["candidate"], spread=0.0)
+            lenient_overhead = candidate_bracket_cost(record["overhead"], overhead["candidate"])
             kept = trusted_pairs(raw["baseline"], raw["candidate"], lateness["baseline"], lateness["candidate"])
             trusted_a = subtract_overhead([a for a, _ in kept], record["overhead"])
             trusted_b = subtract_overhead([b for _, b in kept], candidate_overhead)
@@ -113,6 +116,8 @@ async def run_pairs(
                 record["harness_residual_s"] = residual
                 record["trusted_a"] = subtract_overhead(trusted_a, residual)
                 record["trusted_b"] = subtract_overhead(trusted_b, residual)
+                lenient_b = subtract_overhead([b for _, b in kept], lenient_overhead)
+                record["trusted_b_lenient"] = subtract_overhead(lenient_b, residual)
             else:
                 record["a"], record["b"] = trusted_a, trusted_b
             for role in ("baseline", "candidate"):

@@ -419,6 +419,7 @@ async def benchmark_candidate(
             warm.refill_blanks(spec, pool_dir, base_env=base_env, depth=depth)
     shape_samples = block_shapes(shape_meta, samples)
     trusted_geomean = trusted_geomean_of(shape_meta, samples, gate)
+    lenient_geomean = trusted_geomean_of(shape_meta, samples, gate, key="trusted_b_lenient")
     peak_bw = peak.memory_bandwidth_bytes_s if peak else None
     peak_flops = None
     if peak:
@@ -428,7 +429,7 @@ async def benchmark_candidate(
         "wall_clock" if device == "cpu" else ("hip_events" if peak and peak.vendor == "amd" else "cuda_events")
     )
     if trusted_geomean is not None and stats.geomean is not None:
-        flag_disagreement(trusted_geomean, stats.geomean, findings)
+        flag_disagreement(trusted_geomean, stats.geomean, findings, lenient_geomean)
     evidence = BenchmarkEvidence(
         **dict(stats),  # the statistics of the samples as they are; the rest is what this run knew
         benchmark_id=benchmark_id,

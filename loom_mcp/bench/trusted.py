@@ -24,21 +24,24 @@ def subtract_overhead(times: list[float], overhead: float) -> list[float]:
 
 # How much dearer the context switch into the candidate's process may honestly be than into the
 # baseline's: on an H200 one process's switch read 283 us and the other's 293 us for a whole
-# benchmark (a different pair of processes read the same), and capping the candidate at the
-# baseline's cost left those 10 us in every candidate bracket, which rejected an honest 8 us
-# softmax as a forged clock. Slowing its empty calls gains a candidate at most this much.
+# benchmark (either process may land on either), and capping the candidate at the baseline's
+# cost left those 10 us in every candidate bracket: an honest 8 us softmax read as a forged
+# clock. A candidate can also slow only its empty calls (it knows which they are), so a check
+# that clears only with this allowance sends the candidate to review; it never accepts it.
 CONTEXT_SWITCH_SPREAD_S = 12e-6
 
 
-def candidate_bracket_cost(baseline_cost: float, candidate_empties: list[float]) -> float:
+def candidate_bracket_cost(
+    baseline_cost: float, candidate_empties: list[float], spread: float = CONTEXT_SWITCH_SPREAD_S
+) -> float:
     """What is subtracted from the candidate's brackets as the timer's own cost: its own empty
-    calls' median, since the context switch into one process costs microseconds more or less
-    than into another (on an H200 about 5 us cheaper, or 10 us dearer), but never more than
-    CONTEXT_SWITCH_SPREAD_S above the baseline's: an arm that slowed its empty calls must not
-    get more taken off its real ones."""
+    calls' median (the context switch into one process costs microseconds more or less than
+    into another), but never more than `spread` above the baseline's: an arm that slowed its
+    empty calls must not get more taken off its real ones. spread=0 is the strict reading, the
+    one whose brackets count as samples (CPU) and clear a candidate outright."""
     if not candidate_empties:
         return baseline_cost
-    return min(statistics.median(candidate_empties), baseline_cost + CONTEXT_SWITCH_SPREAD_S)
+    return min(statistics.median(candidate_empties), baseline_cost + spread)
 
 
 def harness_residual(trusted_baseline: list[float], own_baseline: list[float]) -> float:
@@ -68,7 +71,9 @@ OWN_TIMING_ALLOWANCE = 0.10
 BRACKET_RESOLUTION_S = 5e-6
 
 
-def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]], gate: GateConfig) -> RatioCI | None:
+def trusted_geomean_of(
+    shape_meta: list[dict], samples: dict[str, dict[str, Any]], gate: GateConfig, key: str = "trusted_b"
+) -> RatioCI | None:
     """The geomean speedup by the trusted timer's brackets alone, where the arms timed
     themselves as well (GPU), with the benefit of the brackets' resolution given to the
     candidate; None where the brackets are the samples already (CPU)."""
@@ -76,10 +81,10 @@ def trusted_geomean_of(shape_meta: list[dict], samples: dict[str, dict[str, Any]
         ShapeSamples(
             name=m["name"],
             baseline_s=samples[m["name"]]["trusted_a"],
-            candidate_s=subtract_overhead(samples[m["name"]]["trusted_b"], BRACKET_RESOLUTION_S),
+            candidate_s=subtract_overhead(samples[m["name"]][key], BRACKET_RESOLUTION_S),
         )
         for m in shape_meta
-        if samples[m["name"]].get("trusted_a")
+        if samples[m["name"]].get("trusted_a") and samples[m["name"]].get(key)
     ]
     if not trusted:
         return None
@@ -100,18 +105,36 @@ def trusted_pairs(
     return kept if len(kept) * 2 >= len(both) else both
 
 
-def flag_disagreement(trusted: RatioCI, own: RatioCI, findings: list[Finding]) -> None:
+def flag_disagreement(trusted: RatioCI, own: RatioCI, findings: list[Finding], lenient: RatioCI | None = None) -> None:
     """An error finding (the gate rejects) when the arms' own clocks claim a speedup the trusted
-    timer's brackets cannot support: a clock rewritten inside the candidate's process."""
-    if own.estimate > trusted.ci_high * (1 + OWN_TIMING_ALLOWANCE):
+    timer's brackets cannot support: a clock rewritten inside the candidate's process. `trusted`
+    is the strict reading of the brackets; `lenient` (if given) also grants the candidate's
+    process a dearer context switch as its empty calls measured it. A claim only the lenient
+    reading supports is a warning that sends the candidate to review: an honest process that
+    switches slower and a candidate that slowed its empty calls look the same."""
+    widest = lenient if lenient is not None and lenient.ci_high > trusted.ci_high else trusted
+    if own.estimate > widest.ci_high * (1 + OWN_TIMING_ALLOWANCE):
         findings.append(
             Finding(
                 check="benchmark.timing_disagreement",
                 severity="error",
                 message=f"the arms' own clocks give {own.estimate:.3f}x but the trusted timer's "
-                f"brackets of the same calls give {trusted.estimate:.3f}x "
-                f"[{trusted.ci_low:.3f}, {trusted.ci_high:.3f}]: more than "
+                f"brackets of the same calls give {widest.estimate:.3f}x "
+                f"[{widest.ci_low:.3f}, {widest.ci_high:.3f}]: more than "
                 f"{OWN_TIMING_ALLOWANCE:.0%} apart (a clock changed inside the candidate's "
                 "process?)",
+            )
+        )
+    elif own.estimate > trusted.ci_high * (1 + OWN_TIMING_ALLOWANCE):
+        findings.append(
+            Finding(
+                check="benchmark.timing_ambiguous",
+                severity="warning",
+                message=f"the arms' own clocks give {own.estimate:.3f}x; the trusted timer's "
+                f"brackets support that only if the switch into the candidate's process really "
+                f"costs what its empty calls measured (up to {CONTEXT_SWITCH_SPREAD_S * 1e6:.0f} us "
+                f"more than the baseline's): {widest.estimate:.3f}x with it, "
+                f"{trusted.estimate:.3f}x [{trusted.ci_low:.3f}, {trusted.ci_high:.3f}] without. "
+                "A human should look (rerun: the switch cost varies between processes)",
             )
         )

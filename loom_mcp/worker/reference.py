@@ -166,7 +166,11 @@ def prepare_bench(request: dict) -> dict:
 
 
 def _to_float64(values: list) -> list:
-    return [v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values]
+    # Always a copy: .double() of a float64 tensor is the tensor itself, and the native run may
+    # change its inputs in place before the float64 run reads them.
+    return [
+        v.to(torch.float64, copy=True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values
+    ]
 
 
 def reference_outputs(task, case: dict, inputs: list, init_inputs: list, device: torch.device):
