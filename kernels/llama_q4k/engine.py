@@ -18,11 +18,12 @@ model program takes one position for the whole batch, so it serves one request a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +73,32 @@ class Request:
     _out: queue.Queue = field(default_factory=queue.Queue)
     _shown: str = ""
     cancelled: bool = False
+    # Set by an asyncio caller (`async_events`): events go straight to its loop, so a waiting
+    # request holds no thread.
+    _loop: asyncio.AbstractEventLoop | None = None
+    _aqueue: asyncio.Queue | None = None
+
+    def put(self, item: Token | Finished | BaseException) -> None:
+        if self._loop is not None and self._aqueue is not None:
+            self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+        else:
+            self._out.put(item)
 
     def events(self, timeout_s: float | None = None) -> Iterator[Token | Finished]:
         """What the engine produced for this request, in order, ending with Finished."""
         while True:
             item = self._out.get(timeout=timeout_s)
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Finished):
+                return
+
+    async def async_events(self) -> AsyncIterator[Token | Finished]:
+        """The same as `events`, for a coroutine on the event loop that submitted the request."""
+        assert self._aqueue is not None, "submit(..., loop=...) first"
+        while True:
+            item = await self._aqueue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -133,6 +155,7 @@ class Engine:
         max_tokens: int,
         stop_ids: set[int] | None = None,
         stop_texts: list[str] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> Request:
         if not prompt:
             raise Refused("the prompt is empty", 400, "empty_prompt")
@@ -153,6 +176,8 @@ class Engine:
             stop_ids=self.tokenizer.stop_ids() if stop_ids is None else stop_ids,
             stop_texts=[s for s in (stop_texts or []) if s],
         )
+        if loop is not None:
+            request._loop, request._aqueue = loop, asyncio.Queue()
         self.stats.requests += 1
         self.waiting.put(request)
         self._wake.set()
@@ -185,7 +210,7 @@ class Engine:
                 log.exception("engine step failed")
                 for row, request in enumerate(self.rows):
                     if request is not None:
-                        request._out.put(RuntimeError(f"generation failed: {type(exc).__name__}: {exc}"))
+                        request.put(RuntimeError(f"generation failed: {type(exc).__name__}: {exc}"))
                         self.rows[row] = None
 
     def _admit(self) -> None:
@@ -203,7 +228,7 @@ class Engine:
             except Exception as exc:  # this request's failure, not the other rows'
                 log.exception("prefill failed")
                 self.rows[row] = None
-                request._out.put(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
+                request.put(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
 
     @contextmanager
     def _only_row(self, row: int) -> Iterator[None]:
@@ -270,14 +295,14 @@ class Engine:
             if at >= 0:
                 piece = text[len(request._shown) : at] if at > len(request._shown) else ""
                 if piece:
-                    request._out.put(Token(token, piece))
+                    request.put(Token(token, piece))
                 request._shown = text[:at]
                 return self._finish(row, "stop")
         # Text only once it is whole: a multi-byte character may take several tokens.
         piece = text[len(request._shown) :] if text.startswith(request._shown) and "\ufffd" not in text[-1:] else ""
         if piece:
             request._shown = text
-        request._out.put(Token(token, piece))
+        request.put(Token(token, piece))
         self.last[row] = token
         self.positions[row] += 1
         if len(request.tokens) >= request.max_tokens or self.positions[row] >= self.max_seq:
@@ -288,7 +313,7 @@ class Engine:
         assert request is not None
         now = time.monotonic()
         text = request._shown if request.stop_texts else self.tokenizer.decode(request.tokens)
-        request._out.put(
+        request.put(
             Finished(
                 reason=reason,
                 text=text,

@@ -110,12 +110,7 @@ def _stops(body: dict[str, Any]) -> list[str]:
 
 
 async def _events(request: Request) -> AsyncIterator[Token | Finished]:
-    """The request's events, waited for off the event loop."""
-    iterator = request.events()
-    while True:
-        item = await asyncio.to_thread(next, iterator, None)
-        if item is None:
-            return
+    async for item in request.async_events():
         yield item
 
 
@@ -196,7 +191,9 @@ def build_app(served: Served) -> Starlette:
             if complete:  # the named call is all there is to say: nothing to generate
                 request = None
             else:
-                request = engine.submit(prompt, params, max_tokens, stop_texts=_stops(body))
+                request = engine.submit(
+                    prompt, params, max_tokens, stop_texts=_stops(body), loop=asyncio.get_running_loop()
+                )
         except Refused as exc:
             return _error(exc.status, str(exc), exc.code, "rate_limit_error" if exc.status == 429 else "invalid_request_error")
         except (ValueError, TypeError) as exc:
