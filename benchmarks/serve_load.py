@@ -3,6 +3,12 @@ several numbers of concurrent clients, measured with the official `openai` clien
 
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 [--clients 1,4,8,16] \\
         [--requests-per-client 4] [--prompt-tokens 128] [--max-tokens 128] [--json OUT]
+    python benchmarks/serve_load.py --gguf FILE [--serve-arg=--memory-budget=40GiB ...] --summary
+
+With --gguf it starts our server on that file on a free loopback port, and stops it after.
+--summary ends with one flat JSON line (`chunks_per_s_c8`, `ttft_p50_s_c1`, ...), the form
+loom's `benchmark_command` reads, so a campaign can optimize serving: two commands, two
+commits or two settings, A/B.
 
 Works against our server (kernels/llama_q4k/serve.py) and llama.cpp's `llama-server` alike, so
 both run on the same file and the same machine, one after the other. Each client streams its
@@ -16,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
@@ -101,11 +111,47 @@ def one_level(client: Any, model: str, clients: int, per_client: int, prompt_tok
     }
 
 
+def launch(gguf: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """Our server on `gguf`, on a free loopback port; returns once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernels.llama_q4k.serve", "--gguf", gguf, "--port", str(port), *extra],
+        cwd=root, stdout=subprocess.DEVNULL, stderr=sys.stderr,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("the server did not answer /health in 600 s")
+
+
+def summary(levels: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for level in levels:
+        for key in ("chunks_per_s", "requests_per_s", "ttft_p50_s", "ttft_p95_s", "token_gap_p50_s", "token_gap_p95_s"):
+            if level.get(key) is not None:
+                out[f"{key}_c{level['clients']}"] = level[key]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import openai
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--gguf", help="start our server on this file (instead of --url)")
+    parser.add_argument("--serve-arg", action="append", default=[], help="an argument for our server, e.g. --serve-arg=--device=cpu")
+    parser.add_argument("--summary", action="store_true", help="end with one flat JSON line of every level's figures")
     parser.add_argument("--model", help="model id (default: the server's first)")
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--requests-per-client", type=int, default=4)
@@ -113,6 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", help="also write every level here")
     opts = parser.parse_args(argv)
+    server = None
+    if opts.gguf:
+        server, opts.url = launch(opts.gguf, opts.serve_arg)
+    try:
+        return run(opts, openai)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def run(opts: argparse.Namespace, openai: Any) -> int:
     client = openai.OpenAI(base_url=opts.url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = opts.model or client.models.list().data[0].id
     levels = []
@@ -123,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.json:
             with open(opts.json, "w") as out:
                 json.dump({"url": opts.url, "model": model, "levels": levels}, out, indent=2)
+    if opts.summary:
+        print(json.dumps(summary(levels)), flush=True)
     return 0
 
 

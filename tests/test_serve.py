@@ -188,3 +188,18 @@ def test_tool_calls_round_trip_through_the_openai_client(server: str) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny.gguf", messages=messages[:1], tools=[CLOCK],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_the_load_generator_starts_our_server_and_ends_with_one_line_of_metrics(model_file: Path) -> None:
+    """What benchmark_command reads from a serving A/B: one flat JSON line, per client count."""
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "benchmarks/serve_load.py", "--gguf", str(model_file), "--serve-arg=--device=cpu",
+         "--serve-arg=--memory-budget=64MiB", "--serve-arg=--max-context=96", "--clients", "1,2",
+         "--requests-per-client", "1", "--prompt-tokens", "8", "--max-tokens", "8", "--summary"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["requests_per_s_c1"] > 0 and last["chunks_per_s_c2"] > 0 and last["ttft_p50_s_c2"] > 0
