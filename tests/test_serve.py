@@ -203,3 +203,20 @@ def test_the_load_generator_starts_our_server_and_ends_with_one_line_of_metrics(
     assert done.returncode == 0, done.stderr[-3000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["requests_per_s_c1"] > 0 and last["chunks_per_s_c2"] > 0 and last["ttft_p50_s_c2"] > 0
+
+
+def test_a_server_with_a_draft_speculates_and_answers_as_plain_decoding(model_file: Path, solo: TextModel) -> None:
+    proc, url = _start(model_file, "--memory-budget", "64MiB", "--max-context", "160", "--draft-layers", "1")
+    try:
+        client = _client(url)
+        for prompt in PROMPTS[:2]:
+            want = solo.complete(prompt, SamplingParams(), max_new_tokens=30)
+            got = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=30, temperature=0)
+            assert got.choices[0].text == want.text
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        proposed = int(next(line.split()[1] for line in metrics.splitlines()
+                            if line.startswith("loom_serve_speculative_proposed_total")))
+        assert proposed > 0, metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -5,7 +5,8 @@
 Endpoints: POST /v1/chat/completions and /v1/completions (`"stream": true` for server-sent
 events), GET /v1/models, /health and /metrics (Prometheus text: requests, tokens, time to first
 token, decode step time, queue depth, rows in use, KV cache use). Requests share decode steps
-(kernels/llama_q4k/engine.py). The KV cache is sized from --memory-budget after the weights: a
+(kernels/llama_q4k/engine.py); with --draft or --draft-layers, one request at a time by
+speculative decoding (kernels/llama_q4k/speculative.py). The KV cache is sized from --memory-budget after the weights: a
 prompt that can never fit is a 400 (`context_length_exceeded`), a full queue a 429. It listens
 on 127.0.0.1 unless --host says otherwise.
 
@@ -60,7 +61,15 @@ class Served:
     """The model program, its tokenizer and its engine, sized from a memory budget."""
 
     def __init__(
-        self, path: str, device: str, memory_budget: int, max_batch: int = 8, max_context: int | None = None
+        self,
+        path: str,
+        device: str,
+        memory_budget: int,
+        max_batch: int = 8,
+        max_context: int | None = None,
+        draft: str | None = None,
+        draft_layers: int | None = None,
+        draft_k: int = 4,
     ) -> None:
         self.name = path.rsplit("/", 1)[-1]
         self.device = torch.device(device)
@@ -78,8 +87,23 @@ class Served:
                 f"per row after {weight_bytes / (1 << 30):.2f} GiB of weights ({per_token} bytes of KV per "
                 f"position, {max_batch} rows); raise the budget or lower --max-batch"
             )
-        model = build_model(args, weights, device=self.device, dtype=dtype, ops=KERNEL_OPS if cuda else TORCH_OPS)
-        self.engine = Engine(model, self.tokenizer, max_batch=max_batch, max_seq=context)
+        ops = KERNEL_OPS if cuda else TORCH_OPS
+        model = build_model(args, weights, device=self.device, dtype=dtype, ops=ops)
+        draft_model = None
+        if draft or draft_layers:
+            from kernels.llama_q4k.speculative import draft_from_target
+
+            if draft:
+                draft_args, draft_weights, _ = load_gguf(draft)
+                if draft_args.vocab_size != args.vocab_size:
+                    raise ValueError(f"--draft {draft}: {draft_args.vocab_size} tokens, the model {args.vocab_size}")
+            else:
+                draft_args, draft_weights = draft_from_target(args, weights, int(draft_layers or 0))
+            draft_model = build_model(draft_args, draft_weights, device=self.device, dtype=dtype, ops=ops)
+            max_batch = 1
+        self.engine = Engine(
+            model, self.tokenizer, max_batch=max_batch, max_seq=context, draft=draft_model, draft_k=draft_k
+        )
         self.kv_bytes = per_token * self.engine.max_batch * context
         self.created = int(time.time())
         log.info(
@@ -141,6 +165,13 @@ def build_app(served: Served) -> Starlette:
             f"loom_serve_kv_cache_positions_used {used}",
             f"loom_serve_kv_cache_positions_total {engine.max_batch * engine.max_seq}",
         ]
+        if engine.speculative is not None:
+            spec = engine.speculative.stats
+            lines += [
+                f"loom_serve_speculative_proposed_total {spec.proposed}",
+                f"loom_serve_speculative_accepted_total {spec.accepted}",
+                f"loom_serve_speculative_k {engine.speculative.k}",
+            ]
         for name, values in (("ttft_seconds", s.ttft_s), ("decode_step_seconds", s.step_s)):
             if values:
                 qs = statistics.quantiles(values, n=20) if len(values) > 1 else [values[0]] * 19
@@ -347,12 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     parser.add_argument("--max-context", type=int, help="positions per request (default: what the budget allows)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    draft = parser.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="a draft GGUF with the same vocabulary: speculative decoding")
+    draft.add_argument("--draft-layers", type=int, help="the model's first N layers as the draft")
+    parser.add_argument("--draft-k", type=int, default=4, help="tokens proposed per round at first (adapts)")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     import uvicorn
 
     try:
-        served = Served(opts.gguf, opts.device, parse_bytes(opts.memory_budget), opts.max_batch, opts.max_context)
+        served = Served(
+            opts.gguf, opts.device, parse_bytes(opts.memory_budget), opts.max_batch, opts.max_context,
+            opts.draft, opts.draft_layers, opts.draft_k,
+        )
     except (ValueError, KeyError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
