@@ -220,3 +220,26 @@ def test_a_server_with_a_draft_speculates_and_answers_as_plain_decoding(model_fi
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_budget_is_shared_by_the_rows_and_models_that_really_run(model_file: Path) -> None:
+    """With a draft the engine has one row, and the draft's weights and KV cache count too."""
+    from kernels.llama_q4k.engine import kv_bytes_per_token
+    from kernels.llama_q4k.serve import Served
+    from kernels.llama_q4k.weights import load_gguf
+
+    args, weights, _ = load_gguf(model_file)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    kv = kv_bytes_per_token(args, torch.float32)
+    budget = weight_bytes + 100 * kv * 4  # 100 positions for each of 4 rows
+    plain = Served(str(model_file), "cpu", budget, max_batch=4)
+    assert plain.engine.max_batch == 4 and plain.engine.max_seq == 100
+    draft_bytes = sum(w.numel() * w.element_size() for name, w in weights.items()
+                      if not name.startswith("blk.") or name.startswith("blk.0."))
+    per_token = kv * 3 // 2  # the draft has one layer of the two
+    budget = weight_bytes + draft_bytes + 100 * per_token  # 100 positions for the one row
+    drafted = Served(str(model_file), "cpu", budget, max_batch=4, draft_layers=1)
+    assert drafted.engine.max_batch == 1 and drafted.engine.speculative is not None
+    assert drafted.engine.max_seq == 100
+    with pytest.raises(ValueError, match="--memory-budget"):
+        Served(str(model_file), "cpu", weight_bytes + 100 * per_token, max_batch=4, draft_layers=1)

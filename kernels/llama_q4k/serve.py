@@ -43,7 +43,7 @@ from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS
 from kernels.llama_q4k.sampling import SamplingParams
 from kernels.llama_q4k.tokenizer import GGUFTokenizer
 from kernels.llama_q4k.tools import forced_start, format_of, parse_tool_calls, prepare_messages
-from kernels.llama_q4k.weights import build_model, load_gguf
+from kernels.llama_q4k.weights import GEMMAS, build_model, load_gguf
 
 log = logging.getLogger("loom.serve")
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -75,21 +75,7 @@ class Served:
         self.device = torch.device(device)
         self.tokenizer = GGUFTokenizer(path)
         args, weights, _ = load_gguf(path)
-        weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
-        cuda = self.device.type == "cuda"
-        dtype = torch.bfloat16 if cuda else torch.float32
-        per_token = kv_bytes_per_token(args, dtype)
-        room = memory_budget - weight_bytes
-        context = min(args.context_length, max_context or args.context_length, max(room, 0) // (per_token * max_batch))
-        if context < 16:
-            raise ValueError(
-                f"--memory-budget {memory_budget / (1 << 30):.2f} GiB leaves room for {max(context, 0)} positions "
-                f"per row after {weight_bytes / (1 << 30):.2f} GiB of weights ({per_token} bytes of KV per "
-                f"position, {max_batch} rows); raise the budget or lower --max-batch"
-            )
-        ops = KERNEL_OPS if cuda else TORCH_OPS
-        model = build_model(args, weights, device=self.device, dtype=dtype, ops=ops)
-        draft_model = None
+        draft_args = draft_weights = None
         if draft or draft_layers:
             from kernels.llama_q4k.speculative import draft_from_target
 
@@ -99,11 +85,32 @@ class Served:
                     raise ValueError(f"--draft {draft}: {draft_args.vocab_size} tokens, the model {args.vocab_size}")
             else:
                 draft_args, draft_weights = draft_from_target(args, weights, int(draft_layers or 0))
+        # Rows the engine will really have: one with a draft, or for a model without a position
+        # per row (Gemma); the budget is shared by those only.
+        rows = 1 if draft_args is not None or args.arch in GEMMAS else max_batch
+        cuda = self.device.type == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        # Everything that goes to the device: the weights and a KV cache per model (the draft's
+        # copy of the target's first layers included).
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        per_token = kv_bytes_per_token(args, dtype)
+        if draft_args is not None and draft_weights is not None:
+            weight_bytes += sum(w.numel() * w.element_size() for w in draft_weights.values())
+            per_token += kv_bytes_per_token(draft_args, dtype)
+        room = memory_budget - weight_bytes
+        context = min(args.context_length, max_context or args.context_length, max(room, 0) // (per_token * rows))
+        if context < 16:
+            raise ValueError(
+                f"--memory-budget {memory_budget / (1 << 30):.2f} GiB leaves room for {max(context, 0)} positions "
+                f"per row after {weight_bytes / (1 << 30):.2f} GiB of weights ({per_token} bytes of KV per "
+                f"position, {rows} rows); raise the budget or lower --max-batch"
+            )
+        ops = KERNEL_OPS if cuda else TORCH_OPS
+        model = build_model(args, weights, device=self.device, dtype=dtype, ops=ops)
+        draft_model = None
+        if draft_args is not None and draft_weights is not None:
             draft_model = build_model(draft_args, draft_weights, device=self.device, dtype=dtype, ops=ops)
-            max_batch = 1
-        self.engine = Engine(
-            model, self.tokenizer, max_batch=max_batch, max_seq=context, draft=draft_model, draft_k=draft_k
-        )
+        self.engine = Engine(model, self.tokenizer, max_batch=rows, max_seq=context, draft=draft_model, draft_k=draft_k)
         self.kv_bytes = per_token * self.engine.max_batch * context
         self.created = int(time.time())
         log.info(
