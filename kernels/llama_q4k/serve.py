@@ -140,11 +140,6 @@ def _stops(body: dict[str, Any]) -> list[str]:
     return [stop] if isinstance(stop, str) else [str(s) for s in stop or []]
 
 
-async def _events(request: Request) -> AsyncIterator[Token | Finished]:
-    async for item in request.async_events():
-        yield item
-
-
 def build_app(served: Served) -> Starlette:
     engine, tokenizer = served.engine, served.tokenizer
 
@@ -247,7 +242,7 @@ def build_app(served: Served) -> Starlette:
             finished = Finished("stop", "", len(prompt), 0, 0.0, 0.0)
         else:
             try:
-                async for event in _events(request):
+                async for event in request.async_events():
                     if isinstance(event, Finished):
                         finished = event
             except RuntimeError as exc:
@@ -363,7 +358,7 @@ async def _stream(
     if chat:
         yield chunk({"role": "assistant", "content": ""}, None)
     try:
-        async for event in _events(request):
+        async for event in request.async_events():
             if await http.is_disconnected():
                 request.cancelled = True
             if isinstance(event, Token):

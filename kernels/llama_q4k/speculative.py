@@ -137,12 +137,12 @@ class Speculative:
             start = position - len(draft_pending) + 1
             logits = self._forward(self.draft, draft_pending, start, last_only=True)[-1]
             for i in range(k):
-                token = choose(logits) if params.greedy else None
-                if not params.greedy:
+                if params.greedy:
+                    token = int(logits.argmax())
+                else:
                     q = probabilities(logits, params)
                     token = int(torch.multinomial(q, 1, generator=generator))
                     draft_probs.append(q)
-                assert token is not None
                 proposals.append(token)
                 if i + 1 < k:
                     logits = self._forward(self.draft, [token], position + 1 + i, last_only=True)[-1]

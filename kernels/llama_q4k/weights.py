@@ -130,9 +130,10 @@ def _fuse(
     types = dict(quant_types)
     for name, weight in weights.items():
         prefix, _, rest = name.rpartition(".")[0].rpartition(".")
+        if not name.endswith(".weight"):  # biases and the like are never fused
+            out[name] = weight
+            continue
         for fused, parts in groups.items():
-            if not name.endswith(".weight"):
-                continue
             if rest in parts:
                 if rest == parts[0]:
                     pieces = [weights[f"{prefix}.{part}.weight"] for part in parts]
