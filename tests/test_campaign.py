@@ -32,10 +32,19 @@ DEMO = resources.files("loom_mcp") / "demo_data"
 GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_time_s = 1.5\nmin_time_s = 0.5\n"
 
 
+# Four blocks at least, as the suite's quick setting, but up to eight while the CI is wide: one
+# block caught under a burst of load otherwise widens a t interval on 3 degrees of freedom past 1.
+ADAPTIVE_BLOCKS = "wall_clock_blocks = 4\nwall_clock_max_blocks = 8\nwall_clock_ci_target = 0.08\n"
+
+
+def demo_workspace(tmp_path, gate: str = GATE):
+    files = {name: (DEMO / name).read_text() for name in ("task.py", "candidate.py", "cheat.py")}
+    return campaign_workspace(tmp_path, files, gate)
+
+
 @pytest.fixture
 def setup(tmp_path):
-    files = {name: (DEMO / name).read_text() for name in ("task.py", "candidate.py", "cheat.py")}
-    return campaign_workspace(tmp_path, files, GATE)
+    return demo_workspace(tmp_path)
 
 
 def user_state(repo: Path) -> tuple:
@@ -52,11 +61,11 @@ async def start(client, repo: Path, **extra) -> str:
 
 @pytest.mark.anyio
 @pytest.mark.slow
-async def test_accept_commits_reject_does_not_and_report_tells_it(setup):
+async def test_accept_commits_reject_does_not_and_report_tells_it(tmp_path):
     """One campaign, one accepted run (each campaign run times the candidate for seconds), with
     what rides on it: validations the agent ran first are reused for the accepted bytes and not
     for the ones that failed."""
-    repo, home = setup
+    repo, home = demo_workspace(tmp_path, GATE + ADAPTIVE_BLOCKS)
     before = user_state(repo)
     async with Client(build_server(load_config(home))) as client:
         cid = await start(client, repo)
