@@ -15,16 +15,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from kernels.llama_q4k.generate import DecodeStep
-from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS
+from kernels.llama_q4k.model import KERNEL_OPS, TORCH_OPS, Transformer
 from kernels.llama_q4k.sampling import SamplingParams, make_generator, next_token
 from kernels.llama_q4k.tokenizer import GGUFTokenizer
 from kernels.llama_q4k.weights import build_model, load_gguf
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 @dataclass
@@ -46,6 +51,7 @@ class TextModel:
         max_seq: int = 2048,
         dtype: torch.dtype | None = None,
         say: Callable[[str], None] | None = None,
+        mmproj: str | None = None,
     ) -> None:
         say = say or (lambda message: None)
         self.device = torch.device(device)
@@ -64,13 +70,28 @@ class TextModel:
             self.args, weights, device=self.device, dtype=dtype, ops=KERNEL_OPS if cuda else TORCH_OPS
         )
         self.model.setup_caches(1, self.max_seq)
+        self.vision = None
+        if mmproj:
+            from kernels.llama_q4k.vision import Vision
+
+            if not isinstance(self.model, Transformer):
+                raise ValueError(f"--mmproj: image input runs on llama-family model programs, not {self.args.arch}")
+            say(f"reading the vision tower {mmproj}")
+            self.vision = Vision(mmproj, self.args.dim, self.device, dtype)
         say("preparing the decode step" + (" (CUDA graph)" if cuda else ""))
         self.decode = DecodeStep(self.model, 1, use_graph=cuda)
 
     def stream(
-        self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int = 256, stop: set[int] | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int = 256,
+        stop: set[int] | None = None,
+        images: Sequence[Tensor] = (),
+        image_starts: Sequence[int] = (),
     ) -> Iterator[int]:
-        """The new tokens, one at a time, until a stop token (not yielded) or max_new_tokens."""
+        """The new tokens, one at a time, until a stop token (not yielded) or max_new_tokens.
+        `images` (pixels) fill the prompt's slots starting at `image_starts` (vision.py)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         budget = min(max_new_tokens, self.max_seq - len(prompt_ids))
@@ -80,8 +101,15 @@ class TextModel:
         generator = make_generator(params, self.device)
         seen = torch.tensor([prompt_ids], device=self.device)
         with torch.inference_mode():
-            tokens = seen
-            logits = self.model(tokens, torch.arange(len(prompt_ids), device=self.device), last_only=True)
+            embeds = None
+            if images:
+                from kernels.llama_q4k.vision import embed_prompt
+
+                if self.vision is None:
+                    raise ValueError("images need a vision tower: load the model with mmproj=")
+                encoded = self.vision.encode(list(images))
+                embeds = embed_prompt(self.model.tok_embeddings, seen, image_starts, encoded)
+            logits = self.model(seen, torch.arange(len(prompt_ids), device=self.device), last_only=True, embeds=embeds)
             for i in range(budget):
                 token = next_token(logits[:, -1], params, generator, seen if params.repetition_penalty != 1 else None)
                 value = int(token.item())
@@ -99,14 +127,27 @@ class TextModel:
         max_new_tokens: int = 256,
         special_text: bool = False,
         on_text: Callable[[str], None] | None = None,
+        images: Sequence[Image] = (),
     ) -> Reply:
-        """Continue `prompt` (text). `on_text` gets the reply's text as it grows, piece by piece."""
+        """Continue `prompt` (text; with `images`, one IMAGE_MARKER in it per image). `on_text`
+        gets the reply's text as it grows, piece by piece."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt, special_text=special_text)
+        pixels: list[Tensor] = []
+        starts: list[int] = []
+        if images:
+            from kernels.llama_q4k.vision import tokenize
+
+            if self.vision is None:
+                raise ValueError("images need a vision tower: load the model with mmproj=")
+            marked = tokenize(self.tokenizer.encode, prompt, self.vision.n_image_tokens, len(images), special_text=special_text)
+            ids, starts = marked.ids, marked.image_starts
+            pixels = [self.vision.pixels(image) for image in images]
+        else:
+            ids = self.tokenizer.encode(prompt, special_text=special_text)
         reply = Reply(stopped_by="length")
         began = time.perf_counter()
         shown = ""
-        for token in self.stream(ids, params, max_new_tokens):
+        for token in self.stream(ids, params, max_new_tokens, images=pixels, image_starts=starts):
             if not reply.tokens:
                 reply.prefill_s = time.perf_counter() - began
             reply.tokens.append(token)
@@ -120,9 +161,23 @@ class TextModel:
         reply.decode_s = time.perf_counter() - began - reply.prefill_s
         return reply
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, max_new_tokens: int = 256, **kw) -> Reply:
-        """The assistant's reply to `messages`, through the file's chat template."""
-        return self.complete(self.tokenizer.chat(messages), params, max_new_tokens, special_text=True, **kw)
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 256,
+        images: Sequence[Image] = (),
+        **kw: Any,
+    ) -> Reply:
+        """The assistant's reply to `messages`, through the file's chat template. With `images`
+        and no IMAGE_MARKER in the messages, the images go before the last message's text."""
+        if images:
+            from kernels.llama_q4k.vision import IMAGE_MARKER
+
+            if not any(IMAGE_MARKER in str(m.get("content", "")) for m in messages):
+                last = messages[-1]
+                messages = [*messages[:-1], {**last, "content": IMAGE_MARKER * len(images) + "\n" + str(last.get("content", ""))}]
+        return self.complete(self.tokenizer.chat(messages), params, max_new_tokens, special_text=True, images=images, **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--mmproj", help="the model's mmproj GGUF (vision tower + projector), for --image")
+    parser.add_argument("--image", action="append", default=[], help="an image file (repeatable; needs --mmproj)")
     opts = parser.parse_args(argv)
+    if opts.image and not opts.mmproj:
+        parser.error("--image needs --mmproj")
 
     def say(message: str) -> None:
         print(f"[loading] {message}", file=sys.stderr, flush=True)
@@ -153,18 +212,27 @@ def main(argv: list[str] | None = None) -> int:
         repetition_penalty=opts.repetition_penalty,
         seed=opts.seed,
     )
-    model = TextModel(opts.gguf, opts.device, opts.max_seq, say=say)
+    model = TextModel(opts.gguf, opts.device, opts.max_seq, say=say, mmproj=opts.mmproj)
+    images = []
+    if opts.image:
+        from pathlib import Path
+
+        from kernels.llama_q4k.vision import IMAGE_MARKER, decode_image
+
+        images = [decode_image(Path(path).read_bytes()) for path in opts.image]
+        if opts.raw and IMAGE_MARKER not in opts.prompt:
+            opts.prompt = IMAGE_MARKER * len(images) + "\n" + opts.prompt
 
     def show(piece: str) -> None:
         print(piece, end="", flush=True)
 
     if opts.raw:
-        reply = model.complete(opts.prompt, params, opts.max_tokens, on_text=show)
+        reply = model.complete(opts.prompt, params, opts.max_tokens, on_text=show, images=images)
     else:
         messages = ([{"role": "system", "content": opts.system}] if opts.system else []) + [
             {"role": "user", "content": opts.prompt}
         ]
-        reply = model.chat(messages, params, opts.max_tokens, on_text=show)
+        reply = model.chat(messages, params, opts.max_tokens, on_text=show, images=images)
     print()
     rate = len(reply.tokens) / reply.decode_s if reply.decode_s > 0 else 0.0
     print(

@@ -421,15 +421,16 @@ class Transformer(nn.Module):
             ).to(device)
         self.key_positions = torch.arange(max_seq, device=device)
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, last_only: bool = False, embeds: Tensor | None = None) -> Tensor:
         """Logits [batch, seq (1 if last_only), vocab] for tokens [batch, seq] at input_pos [seq].
 
         Positions must be consecutive; keys past each query's position are masked, which also
-        hides whatever an earlier, longer sequence left in the cache.
+        hides whatever an earlier, longer sequence left in the cache. `embeds` [batch, seq, dim]
+        replaces the token embeddings (a prompt with an image's embeddings in it: vision.py).
         """
         # Prefill's mask [seq, max_seq]; decode masks by position inside its attention kernel.
         mask = self.key_positions[None, :] <= input_pos[:, None] if tokens.shape[1] > 1 else None
-        x, delta = self.tok_embeddings(tokens), None
+        x, delta = (self.tok_embeddings(tokens) if embeds is None else embeds.to(self.dtype)), None
         for layer in self.layers:
             x, delta = layer(x, delta, input_pos, mask)
         if last_only:

@@ -13,8 +13,10 @@ on 127.0.0.1 unless --host says otherwise.
 Sampling fields: temperature, top_p, seed, max_tokens (or max_completion_tokens), stop, and
 llama.cpp's top_k, min_p and repeat_penalty. Tools: `tools` and `tool_choice` through the
 model's own chat template, calls parsed from its output into `tool_calls` (kernels/llama_q4k/
-tools.py); a streamed reply with tools comes as one chunk at the end. Not yet: n > 1, logprobs,
-image content.
+tools.py); a streamed reply with tools comes as one chunk at the end. Images, with --mmproj:
+`image_url` content parts as base64 data URLs (nothing is fetched), encoded by the file's vision
+tower (kernels/llama_q4k/vision.py); a reply's `timings` give the image encode time apart from
+the time to first token. Not yet: n > 1, logprobs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Served:
         draft: str | None = None,
         draft_layers: int | None = None,
         draft_k: int = 4,
+        mmproj: str | None = None,
     ) -> None:
         self.name = path.rsplit("/", 1)[-1]
         self.device = torch.device(device)
@@ -90,9 +93,17 @@ class Served:
         rows = 1 if draft_args is not None or args.arch in GEMMAS else max_batch
         cuda = self.device.type == "cuda"
         dtype = torch.bfloat16 if cuda else torch.float32
+        self.vision = None
+        if mmproj:
+            from kernels.llama_q4k.vision import Vision
+
+            if args.arch in GEMMAS:
+                raise ValueError(f"--mmproj: image input runs on llama-family model programs, not {args.arch}")
+            self.vision = Vision(mmproj, args.dim, self.device, dtype)
         # Everything that goes to the device: the weights and a KV cache per model (the draft's
-        # copy of the target's first layers included).
+        # copy of the target's first layers included), and the vision tower.
         weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+        weight_bytes += self.vision.weight_bytes if self.vision is not None else 0
         per_token = kv_bytes_per_token(args, dtype)
         if draft_args is not None and draft_weights is not None:
             weight_bytes += sum(w.numel() * w.element_size() for w in draft_weights.values())
@@ -110,7 +121,9 @@ class Served:
         draft_model = None
         if draft_args is not None and draft_weights is not None:
             draft_model = build_model(draft_args, draft_weights, device=self.device, dtype=dtype, ops=ops)
-        self.engine = Engine(model, self.tokenizer, max_batch=rows, max_seq=context, draft=draft_model, draft_k=draft_k)
+        self.engine = Engine(
+            model, self.tokenizer, max_batch=rows, max_seq=context, draft=draft_model, draft_k=draft_k, vision=self.vision
+        )
         self.kv_bytes = per_token * self.engine.max_batch * context
         self.created = int(time.time())
         log.info(
@@ -166,6 +179,7 @@ def build_app(served: Served) -> Starlette:
             f"loom_serve_rows_largest_batch {s.largest_batch}",
             f"loom_serve_kv_cache_positions_used {used}",
             f"loom_serve_kv_cache_positions_total {engine.max_batch * engine.max_seq}",
+            f"loom_serve_images_total {s.images}",
         ]
         if engine.speculative is not None:
             spec = engine.speculative.stats
@@ -174,7 +188,11 @@ def build_app(served: Served) -> Starlette:
                 f"loom_serve_speculative_accepted_total {spec.accepted}",
                 f"loom_serve_speculative_k {engine.speculative.k}",
             ]
-        for name, values in (("ttft_seconds", s.ttft_s), ("decode_step_seconds", s.step_s)):
+        for name, values in (
+            ("ttft_seconds", s.ttft_s),
+            ("decode_step_seconds", s.step_s),
+            ("image_encode_seconds", s.image_encode_s),
+        ):
             if values:
                 qs = statistics.quantiles(values, n=20) if len(values) > 1 else [values[0]] * 19
                 lines += [
@@ -197,13 +215,18 @@ def build_app(served: Served) -> Starlette:
     async def respond(http: HttpRequest, chat: bool) -> Response:
         tools: list[dict[str, Any]] | None = None
         forced, complete, fmt = "", False, "hermes"
+        pixels: list[torch.Tensor] = []
+        image_starts: list[int] = []
         try:
             body = await body_of(http)
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise Refused("messages must be a non-empty list", 400, "invalid_messages")
-                flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
+                images: list[Any] = []
+                flat = [{**m, "content": _text_of(m.get("content"), images)} for m in messages]
+                if images and served.vision is None:
+                    raise Refused("this model has no vision encoder (start the server with --mmproj)", 400, "images_unsupported")
                 tools = body.get("tools") or None
                 choice = body.get("tool_choice")
                 fmt = format_of(tokenizer.chat_template)
@@ -213,8 +236,18 @@ def build_app(served: Served) -> Starlette:
                     tools = None
                 shaped, extra = prepare_messages(flat, tools, tokenizer.chat_template)
                 forced, complete = forced_start(choice, tools or [], fmt) if tools else ("", False)
-                prompt = tokenizer.encode(tokenizer.chat(shaped, **extra) + forced, special_text=True)
+                rendered = tokenizer.chat(shaped, **extra) + forced
+                if images and served.vision is not None:
+                    from kernels.llama_q4k.vision import tokenize
+
+                    vision = served.vision
+                    pixels = await asyncio.to_thread(lambda: [vision.pixels(image) for image in images])
+                    marked = tokenize(tokenizer.encode, rendered, vision.n_image_tokens, len(images), special_text=True)
+                    prompt, image_starts = marked.ids, marked.image_starts
+                else:
+                    prompt = tokenizer.encode(rendered, special_text=True)
             else:
+                pixels, image_starts = [], []
                 text = body.get("prompt")
                 if not isinstance(text, str):
                     raise Refused("prompt must be a string", 400, "invalid_prompt")
@@ -225,7 +258,8 @@ def build_app(served: Served) -> Starlette:
                 request = None
             else:
                 request = engine.submit(
-                    prompt, params, max_tokens, stop_texts=_stops(body), loop=asyncio.get_running_loop()
+                    prompt, params, max_tokens, stop_texts=_stops(body), loop=asyncio.get_running_loop(),
+                    images=pixels, image_starts=image_starts,
                 )
         except Refused as exc:
             return _error(exc.status, str(exc), exc.code, "rate_limit_error" if exc.status == 429 else "invalid_request_error")
@@ -273,6 +307,7 @@ def build_app(served: Served) -> Starlette:
                 "model": served.name,
                 "choices": [choice],
                 "usage": _usage(finished),
+                "timings": _timings(finished),
             }
         )
 
@@ -302,19 +337,41 @@ def build_app(served: Served) -> Starlette:
     )
 
 
-def _text_of(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of a list of content parts."""
+def _text_of(content: Any, images: list[Any]) -> str:
+    """A message's content as text: a string, or a list of content parts. Each `image_url` part
+    becomes the image marker in the text, its decoded image appended to `images`."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
+        from kernels.llama_q4k.vision import IMAGE_MARKER, image_from_data_url
+
         parts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
                 parts.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                try:
+                    images.append(image_from_data_url(url))
+                except ValueError as exc:
+                    raise Refused(str(exc), 400, "invalid_image") from None
+                parts.append(IMAGE_MARKER)
             else:
-                raise Refused("only text content parts are supported", 400, "unsupported")
+                raise Refused(f"content part type {kind!r} is not supported (text, image_url)", 400, "unsupported")
         return "".join(parts)
     raise Refused("message content must be a string or a list of parts", 400, "invalid_messages")
+
+
+def _timings(finished: Finished) -> dict[str, float]:
+    """Where the time went, in milliseconds: images through the vision tower, the rest of the
+    time to the first token (the prompt's prefill, queueing included), and decoding after it."""
+    return {
+        "image_encode_ms": round(finished.image_encode_s * 1e3, 3),
+        "prefill_ms": round((finished.ttft_s - finished.image_encode_s) * 1e3, 3),
+        "decode_ms": round((finished.total_s - finished.ttft_s) * 1e3, 3),
+    }
 
 
 def _usage(finished: Finished) -> dict[str, int]:
@@ -344,7 +401,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: dict[str, Any] | str, reason: str | None, usage: dict | None = None) -> str:
+    def chunk(delta: dict[str, Any] | str, reason: str | None, usage: dict | None = None, timings: dict | None = None) -> str:
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["delta"] = delta
@@ -353,6 +410,8 @@ async def _stream(
         payload: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
         if usage is not None:
             payload["usage"] = usage
+        if timings is not None:
+            payload["timings"] = timings
         return f"data: {json.dumps(payload)}\n\n"
 
     if chat:
@@ -365,7 +424,7 @@ async def _stream(
                 if event.text:
                     yield chunk({"content": event.text} if chat else event.text, None)
             else:
-                yield chunk({} if chat else "", event.reason, _usage(event))
+                yield chunk({} if chat else "", event.reason, _usage(event), _timings(event))
     except RuntimeError as exc:
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
     yield "data: [DONE]\n\n"
@@ -384,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     draft.add_argument("--draft", help="a draft GGUF with the same vocabulary: speculative decoding")
     draft.add_argument("--draft-layers", type=int, help="the model's first N layers as the draft")
     parser.add_argument("--draft-k", type=int, default=4, help="tokens proposed per round at first (adapts)")
+    parser.add_argument("--mmproj", help="the model's mmproj GGUF (vision tower + projector): image input")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     import uvicorn
@@ -391,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         served = Served(
             opts.gguf, opts.device, parse_bytes(opts.memory_budget), opts.max_batch, opts.max_context,
-            opts.draft, opts.draft_layers, opts.draft_k,
+            opts.draft, opts.draft_layers, opts.draft_k, opts.mmproj,
         )
     except (ValueError, KeyError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
