@@ -39,11 +39,16 @@ PROMPTS = [
 ]
 
 
+def context_for(ids: list[int]) -> int:
+    """The KV cache length both sides get (LongRoPE picks its factors by it, as llama.cpp does)."""
+    return max(64, len(ids) + 8)
+
+
 def llamacpp_logits(path: Path, ids: list[int], gpu: bool) -> np.ndarray:
     from llama_cpp import Llama
 
     model = Llama(
-        model_path=str(path), logits_all=True, n_ctx=max(64, len(ids) + 8), n_gpu_layers=-1 if gpu else 0,
+        model_path=str(path), logits_all=True, n_ctx=context_for(ids), n_gpu_layers=-1 if gpu else 0,
         verbose=False, seed=0,
     )
     model.reset()
@@ -55,7 +60,7 @@ def our_logits(path: Path, ids: list[int], device: str) -> np.ndarray:
     args, weights, _ = load_gguf(path)
     cuda = device == "cuda"
     model = build_model(args, weights, device=device, dtype=torch.float32, ops=KERNEL_OPS if cuda else TORCH_OPS)
-    model.setup_caches(1, len(ids))
+    model.setup_caches(1, context_for(ids))
     with torch.no_grad():
         out = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))
     return out[0].float().cpu().numpy()
@@ -86,12 +91,43 @@ def compare(path: Path, device: str) -> dict:
     }
 
 
+def with_rope_scaling(path: Path, kind: str, original: int = 16, factor: float = 4.0) -> Path:
+    """`path` rewritten with a rope scaling over a short original context, so prompts of 20-40
+    tokens run mostly in the scaled range. LongRoPE's factors: random short ones, long ones
+    growing to 30 (its attention factor as llama.cpp's converter computes it)."""
+    import dataclasses
+    import math
+
+    from kernels.llama_q4k.weights import write_gguf
+
+    args, weights, types = load_gguf(path)
+    if kind == "longrope":
+        half = args.head_dim // 2
+        weights["rope_factors_short.weight"] = 1.0 + 0.5 * torch.rand(half, generator=torch.Generator().manual_seed(0))
+        weights["rope_factors_long.weight"] = 1.0 + 30.0 * torch.linspace(0, 1, half) ** 2
+        scale = args.context_length / original
+        args = dataclasses.replace(args, rope_original_context=original,
+                                   rope_attn_factor=math.sqrt(1 + math.log(scale) / math.log(original)))
+    else:
+        args = dataclasses.replace(args, rope_scaling_factor=factor, rope_original_context=original,
+                                   rope_scaling_type="yarn" if kind == "yarn" else None)
+    from gguf import GGMLQuantizationType
+
+    quant = {name: GGMLQuantizationType[t] for name, t in types.items() if weights.get(name) is not None
+             and weights[name].dtype == torch.uint8}
+    out = path.with_name(f"{path.stem}-{kind}.gguf")
+    write_gguf(out, args, weights, quant, vocab_from=VOCAB)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="llama,qwen2,qwen3,phi3,gemma2,gemma3")
     parser.add_argument("--gguf", nargs="*", default=[], help="compare these files instead of tiny ones")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dense", action="store_true", help="tiny models with F32 matrices (semantics only)")
+    parser.add_argument("--rope", choices=["none", "linear", "yarn", "longrope"], default="none",
+                        help="tiny models with this rope scaling over a 16-token original context")
     parser.add_argument("--json")
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="logits-"))
@@ -99,6 +135,8 @@ def main() -> int:
     files = [Path(f) for f in opts.gguf] or [
         write_tiny_model(work / f"tiny-{a}-{kind}.gguf", a, VOCAB, opts.dense) for a in opts.families.split(",")
     ]
+    if opts.rope != "none" and not opts.gguf:
+        files = [with_rope_scaling(path, opts.rope) for path in files]
     rows = []
     for path in files:
         row = compare(path, opts.device)

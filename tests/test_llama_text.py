@@ -206,12 +206,14 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, 
     return torch.tensor(out, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+@pytest.mark.parametrize("scaling", ["llama3", "linear", "yarn", "longrope-short", "longrope-long"])
 def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str) -> None:
-    """Llama 3.1's rope scaling travels as a rope_freqs.weight tensor, linear scaling as two
-    keys; transformers computes the same rope from its own config. A 64-token original context
-    puts most frequencies in the scaled range, and 40 positions make them count: without the
-    scaling the logits are far off."""
+    """Llama 3.1's rope scaling travels as a rope_freqs.weight tensor, linear and YaRN scaling
+    as keys, LongRoPE (Phi-3 128k, Phi-3.5) as two factor tensors and an attention factor;
+    transformers computes the same rope from its own config. A 64-token original context puts
+    most frequencies in the scaled range, and 40 positions make them count: without the
+    scaling the logits are far off. LongRoPE takes its long factors past the original context:
+    80 positions, with a KV cache as long (llama.cpp picks by its context size)."""
     needs_transformers()
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -225,17 +227,32 @@ def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str
     if scaling == "llama3":
         hf_rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         weights["rope_freqs.weight"] = llama3_rope_factors(args.head_dim, args.rope_theta, 4.0, 1.0, 4.0, 64)
-    else:
+    elif scaling == "linear":
         args = dataclasses.replace(args, rope_scaling_factor=4.0)
+    elif scaling == "yarn":
+        hf_rope |= {"original_max_position_embeddings": 64}
+        args = dataclasses.replace(args, rope_scaling_factor=4.0, rope_scaling_type="yarn", rope_original_context=64)
+    else:
+        half = args.head_dim // 2
+        short = 1.0 + 0.5 * torch.rand(half, generator=torch.Generator().manual_seed(1))
+        long = 1.0 + 30.0 * torch.linspace(0, 1, half) ** 2
+        hf_rope = {"rope_type": "longrope", "rope_theta": args.rope_theta, "short_factor": short.tolist(),
+                   "long_factor": long.tolist(), "original_max_position_embeddings": 64}
+        weights["rope_factors_short.weight"], weights["rope_factors_long.weight"] = short, long
+        attn_factor = math.sqrt(1 + math.log(args.context_length / 64) / math.log(64))  # the converter's
+        args = dataclasses.replace(args, rope_original_context=64, rope_attn_factor=attn_factor)
     scaled = tmp_path / "scaled.gguf"
     write_gguf(scaled, args, weights, vocab_from=VOCAB)
 
     hf = AutoModelForCausalLM.from_pretrained(str(plain.parent), gguf_file=plain.name, dtype=torch.float32).eval()
     hf.config.rope_parameters = hf_rope
     hf.model.rotary_emb = LlamaRotaryEmbedding(config=hf.config)
-    ids = torch.tensor([GGUFTokenizer(plain).encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]])
+    positions = 80 if scaling == "longrope-long" else 40
+    ids = torch.tensor([GGUFTokenizer(plain).encode("The quick brown fox jumps over the lazy dog. " * 8)[:positions]])
+    assert ids.shape[1] == positions
     loaded_args, loaded, _ = load_gguf(scaled)
-    assert (loaded_args.rope_scaling_factor == 4.0) == (scaling == "linear")
+    assert (loaded_args.rope_scaling_factor == 4.0) == (scaling in ("linear", "yarn"))
+    assert loaded_args.rope_scaling_type == ("yarn" if scaling == "yarn" else None)
     results = {}
     for name, (a, w) in {"scaled": (loaded_args, loaded), "unscaled": load_gguf(plain)[:2]}.items():
         ours = build_model(a, w, ops=TORCH_OPS)

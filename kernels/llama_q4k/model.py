@@ -74,8 +74,15 @@ class ModelArgs:
     rope_local_theta: float = 10000.0  # gemma3's sliding layers (its global ones: rope_theta)
     # Linear rope scaling ({arch}.rope.scaling.type "linear"): positions divided by this factor;
     # gemma3 applies it to its global layers only. Llama 3.1's scaling is a tensor instead,
-    # rope_freqs.weight (see rope_frequencies).
+    # rope_freqs.weight (see rope_frequencies). With rope_scaling_type "yarn" the factor is
+    # YaRN's: each frequency blends interpolated and original by where its wavelength falls
+    # against rope_original_context (between yarn_beta_fast and yarn_beta_slow turns).
     rope_scaling_factor: float | None = None
+    rope_scaling_type: str | None = None  # None or "linear" (as above), or "yarn"
+    rope_original_context: int | None = None  # yarn's, and LongRoPE's switch to its long factors
+    rope_attn_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's, from the file)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -91,19 +98,59 @@ class ModelArgs:
 
 
 def rope_frequencies(
-    args: ModelArgs, weights: dict[str, Tensor], theta: float | None = None, scaled: bool = True
+    args: ModelArgs,
+    weights: dict[str, Tensor],
+    theta: float | None = None,
+    scaled: bool = True,
+    context: int | None = None,
 ) -> Tensor:
     """The rope's inverse frequencies as llama.cpp computes them: base `theta` (the file's by
     default), each divided by its factor in `rope_freqs.weight` where the file has one (Llama
-    3.1 and later: the converter's llama3 scaling, one factor per frequency), and by the linear
-    scaling factor where `scaled`."""
-    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta if theta is None else theta)
+    3.1 and later: the converter's llama3 scaling, one factor per frequency), or in LongRoPE's
+    `rope_factors_short.weight`, `rope_factors_long.weight` when the KV cache (`context`) is
+    longer than the original context, as llama.cpp picks by its context size (Phi-3 128k,
+    Phi-3.5); then, where `scaled`, the linear or YaRN scaling."""
+    theta = args.rope_theta if theta is None else theta
+    inv_freq = rope_inv_freq(args.head_dim, theta)
     factors = weights.get("rope_freqs.weight")
+    if factors is None and "rope_factors_short.weight" in weights:
+        original = args.rope_original_context or args.context_length
+        factors = weights["rope_factors_long.weight" if context is not None and context > original else "rope_factors_short.weight"]
     if factors is not None:
-        inv_freq = inv_freq / factors.float().reshape(-1)
+        inv_freq = inv_freq / factors.float().reshape(-1).to(inv_freq.device)
     if scaled and args.rope_scaling_factor:
-        inv_freq = inv_freq / args.rope_scaling_factor
+        if args.rope_scaling_type == "yarn":
+            inv_freq = _yarn(inv_freq, args, theta)
+        else:
+            inv_freq = inv_freq / args.rope_scaling_factor
     return inv_freq
+
+
+def _yarn(inv_freq: Tensor, args: ModelArgs, theta: float) -> Tensor:
+    """YaRN's frequencies: pair i blends interpolated (divided by the factor) and original by a
+    ramp over the pairs whose wavelength falls between beta_fast and beta_slow turns of the
+    original context (ggml's rope_yarn_corr_dims and rope_yarn_ramp)."""
+    assert args.rope_scaling_factor
+    dims = args.head_dim
+    original = args.rope_original_context or args.context_length
+
+    def pair_turning(turns: float) -> float:
+        return dims * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(0.0, math.floor(pair_turning(args.yarn_beta_fast)))
+    high = min(dims - 1.0, math.ceil(pair_turning(args.yarn_beta_slow)))
+    pairs = torch.arange(dims // 2, dtype=torch.float32, device=inv_freq.device)
+    extrapolate = 1 - ((pairs - low) / max(0.001, high - low)).clamp(0, 1)
+    return inv_freq / args.rope_scaling_factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_mscale(args: ModelArgs) -> float:
+    """How much the rope scales cos and sin (so q.k by its square): YaRN's 1 + 0.1 ln(factor),
+    times the file's attn_factor (LongRoPE's sqrt(1 + ln(scale) / ln(original context)))."""
+    mscale = args.rope_attn_factor
+    if args.rope_scaling_type == "yarn" and args.rope_scaling_factor and args.rope_scaling_factor > 1:
+        mscale *= 1 + 0.1 * math.log(args.rope_scaling_factor)
+    return mscale
 
 
 CONFIGS: dict[str, ModelArgs] = {
@@ -269,6 +316,9 @@ class Attention(nn.Module):
         self.register_buffer("q_norm", q_norm)  # qwen3's per-head norms (fp32), or None
         self.register_buffer("k_norm", k_norm)
         self.kv_cache: KVCache | None = None
+        # A rope that scales cos and sin by m scales q.k by m^2: q takes it all, as the rope is
+        # linear and the cached keys stay as they are.
+        self.q_scale = rope_mscale(args) ** 2
 
     def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None) -> Tensor:
         assert self.kv_cache is not None, "call Transformer.setup_caches first"
@@ -281,6 +331,8 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(batch, seq, self.n_heads, self.head_dim), self.q_norm, self.eps)
             k = self.ops.rms_norm(k.reshape(batch, seq, self.n_kv_heads, self.head_dim), self.k_norm, self.eps)
             q, k = q.to(v.dtype).reshape(batch, seq, self.q_size), k.to(v.dtype).reshape(batch, seq, self.kv_size)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if seq == 1:  # decode: two launches for rope, the cache write and attention
             y = self.ops.decode_attention(
                 input_pos,
@@ -378,6 +430,12 @@ class Transformer(nn.Module):
             return make_linear([get(name) for name in names], dtype, dequantize)
 
         inv_freq = rope_frequencies(args, weights).to(device)
+        # LongRoPE's two factor sets: which one runs depends on the cache length (setup_caches)
+        self._rope_factors = {
+            name: weights[name].float().to(device)
+            for name in ("rope_factors_short.weight", "rope_factors_long.weight")
+            if name in weights
+        }
         layers = []
         for i in range(args.n_layers):
             blk = f"blk.{i}."
@@ -415,6 +473,10 @@ class Transformer(nn.Module):
 
     def setup_caches(self, batch: int, max_seq: int) -> None:
         device = self.norm.device
+        if self._rope_factors:
+            inv_freq = rope_frequencies(self.args, self._rope_factors, context=max_seq).to(device)
+            for layer in self.layers:
+                layer.attention.inv_freq.copy_(inv_freq)
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(
                 batch, self.args.n_kv_heads, max_seq, self.args.head_dim, self.dtype
@@ -464,7 +526,7 @@ def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor
     embedding = weights["token_embd.weight"].to(device)[tokens]
     x = dequantize_q4_k(embedding) if embedding.dtype == torch.uint8 else embedding.float()
     positions = torch.arange(seq, device=device)
-    inv_freq = rope_frequencies(args, weights).to(device)
+    inv_freq = rope_frequencies(args, weights, context=seq).to(device)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     for i in range(args.n_layers):
         blk = f"blk.{i}."
@@ -478,7 +540,7 @@ def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor
             k = torch_rms_norm(k, w(blk + "attn_k_norm.weight"), args.norm_eps)
         q, k = torch_rope(positions, q, k, inv_freq)
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(args.head_dim)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * rope_mscale(args) ** 2 / math.sqrt(args.head_dim)
         probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
         attn = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, -1)
         x = x + attn @ w(blk + "attn_output.weight").T

@@ -203,9 +203,15 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
     if "output.weight" not in weights:  # tied embeddings
         weights["output.weight"] = weights["token_embd.weight"]
     scaling = optional(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ValueError(f"{path}: rope scaling {scaling!r}; this model program does none and linear")
-    factor = optional(f"{arch}.rope.scaling.factor") if scaling == "linear" else optional(f"{arch}.rope.scale_linear")
+    if scaling not in (None, "none", "linear", "yarn", "longrope"):
+        raise ValueError(f"{path}: rope scaling {scaling!r}; this model program does none, linear, yarn and longrope")
+    factor = (
+        optional(f"{arch}.rope.scaling.factor") if scaling in ("linear", "yarn") else optional(f"{arch}.rope.scale_linear")
+    )
+    head_dim = int(optional(f"{arch}.attention.key_length") or int(field(f"{arch}.embedding_length")) // int(field(f"{arch}.attention.head_count")))
+    rope_dims = optional(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"{path}: the rope turns {rope_dims} of each head's {head_dim} dimensions; partial rotary (Phi-4-mini) is not covered")
 
     args = ModelArgs(
         dim=int(field(f"{arch}.embedding_length")),
@@ -223,6 +229,11 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
         final_logit_softcap=optional(f"{arch}.final_logit_softcapping"),
         sliding_window=optional(f"{arch}.attention.sliding_window"),
         rope_scaling_factor=float(factor) if factor and float(factor) != 1.0 else None,
+        rope_scaling_type="yarn" if scaling == "yarn" else None,
+        rope_original_context=int(original) if (original := optional(f"{arch}.rope.scaling.original_context_length")) else None,
+        rope_attn_factor=float(optional(f"{arch}.rope.scaling.attn_factor") or 1.0),
+        yarn_beta_fast=float(optional(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+        yarn_beta_slow=float(optional(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
     )
     _split_fused(args, weights, types)
     for name, weight in weights.items():
@@ -271,8 +282,12 @@ def write_gguf(
     if args.rope_scaling_factor:
         from gguf import RopeScalingType
 
-        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_type(RopeScalingType.YARN if args.rope_scaling_type == "yarn" else RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(args.rope_scaling_factor)
+    if args.rope_original_context:
+        writer.add_rope_scaling_orig_ctx_len(args.rope_original_context)
+    if args.rope_attn_factor != 1.0:
+        writer.add_rope_scaling_attn_factors(args.rope_attn_factor)
     writer.add_vocab_size(args.vocab_size)
     weights, quant_types = _fuse(args, weights, quant_types)
     for name, weight in weights.items():
