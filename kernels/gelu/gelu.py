@@ -75,6 +75,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, kind: str = "erf") -> 
     return out
 
 
+def example_calls():
+    """Launches at a CLIP ViT-L/14-336 tower's MLP and the LLaVA projector, for the compile test."""
+    for kind in KINDS:
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(577, 4096, dtype=dtype)
+            yield lambda x=x, kind=kind: bias_gelu(x, torch.zeros(4096, dtype=dtype), kind)
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for kind in KINDS:

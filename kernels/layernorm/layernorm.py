@@ -108,6 +108,15 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return add_layer_norm(x, None, weight, bias, eps)[1]
 
 
+def example_calls():
+    """Launches at a CLIP ViT-L/14-336 tower's shapes (577 tokens of 1024), for the compile test."""
+    weight, bias = torch.ones(1024), torch.zeros(1024)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.zeros(577, 1024, dtype=dtype)
+        yield lambda x=x: add_layer_norm(x, x, weight, bias, 1e-5)
+        yield lambda x=x: add_layer_norm(x, None, weight, bias, 1e-5)
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = "triton" if _runs_triton(torch.empty(0, device=device)) else "torch"
