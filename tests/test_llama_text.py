@@ -206,22 +206,31 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, 
     return torch.tensor(out, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def unscaled_pair(tmp_path_factory) -> tuple[Path, Any, list[int]]:
+    """A tiny llama, transformers' model of the same file and 80 prompt tokens, made once for
+    every scaling (building either tokenizer takes seconds)."""
+    needs_transformers()
+    from transformers import AutoModelForCausalLM
+
+    plain = write_tiny(tmp_path_factory.mktemp("rope") / "tiny.gguf", "llama")
+    hf = AutoModelForCausalLM.from_pretrained(str(plain.parent), gguf_file=plain.name, dtype=torch.float32).eval()
+    return plain, hf, GGUFTokenizer(plain).encode("The quick brown fox jumps over the lazy dog. " * 8)[:80]
+
+
 @pytest.mark.parametrize("scaling", ["llama3", "linear", "yarn", "longrope-short", "longrope-long"])
-def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str) -> None:
+def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str, unscaled_pair) -> None:
     """Llama 3.1's rope scaling travels as a rope_freqs.weight tensor, linear and YaRN scaling
     as keys, LongRoPE (Phi-3 128k, Phi-3.5) as two factor tensors and an attention factor;
     transformers computes the same rope from its own config. A 64-token original context puts
     most frequencies in the scaled range, and 40 positions make them count: without the
     scaling the logits are far off. LongRoPE takes its long factors past the original context:
     80 positions, with a KV cache as long (llama.cpp picks by its context size)."""
-    needs_transformers()
-    from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from kernels.llama_q4k.weights import write_gguf
 
-    (tmp_path / "plain").mkdir()
-    plain = write_tiny(tmp_path / "plain" / "tiny.gguf", "llama")
+    plain, hf, prompt = unscaled_pair
     args, weights, _ = load_gguf(plain)
     hf_rope: dict[str, Any] = {"rope_type": scaling, "rope_theta": args.rope_theta, "factor": 4.0}
     if scaling == "llama3":
@@ -244,11 +253,10 @@ def test_rope_scaling_matches_transformers_own_rope(tmp_path: Path, scaling: str
     scaled = tmp_path / "scaled.gguf"
     write_gguf(scaled, args, weights, vocab_from=VOCAB)
 
-    hf = AutoModelForCausalLM.from_pretrained(str(plain.parent), gguf_file=plain.name, dtype=torch.float32).eval()
     hf.config.rope_parameters = hf_rope
     hf.model.rotary_emb = LlamaRotaryEmbedding(config=hf.config)
     positions = 80 if scaling == "longrope-long" else 40
-    ids = torch.tensor([GGUFTokenizer(plain).encode("The quick brown fox jumps over the lazy dog. " * 8)[:positions]])
+    ids = torch.tensor([prompt[:positions]])
     assert ids.shape[1] == positions
     loaded_args, loaded, _ = load_gguf(scaled)
     assert (loaded_args.rope_scaling_factor == 4.0) == (scaling in ("linear", "yarn"))
