@@ -243,3 +243,41 @@ def test_the_budget_is_shared_by_the_rows_and_models_that_really_run(model_file:
     assert drafted.engine.max_seq == 100
     with pytest.raises(ValueError, match="--memory-budget"):
         Served(str(model_file), "cpu", weight_bytes + 100 * per_token, max_batch=4, draft_layers=1)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_rows_decode_together_and_each_answers_as_alone(tmp_path: Path, arch: str, solo: TextModel) -> None:
+    """Gemma's decode step takes one position per row too, so its requests share steps. Prompts
+    of different lengths put the rows at different positions, past the tiny models' sliding
+    window of 8, and each reply must be that prompt's plain greedy decoding, one request alone
+    (prefill, then one token per step)."""
+    from kernels.llama_q4k.engine import Engine, Token
+    from kernels.llama_q4k.model import TORCH_OPS
+    from kernels.llama_q4k.weights import build_model, load_gguf
+
+    args, weights, _ = load_gguf(write_tiny_model(tmp_path / f"{arch}.gguf", arch, VOCAB))
+    tokenizer = solo.tokenizer  # the same vocabulary
+
+    @torch.inference_mode()
+    def alone(ids: list[int], n: int) -> list[int]:
+        model = build_model(args, weights, ops=TORCH_OPS)
+        model.setup_caches(1, 64)
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)
+        out = [int(logits[0, -1].argmax())]
+        while len(out) < n:
+            logits = model(torch.tensor([[out[-1]]]), torch.tensor([len(ids) + len(out) - 1]))
+            out.append(int(logits[0, -1].argmax()))
+        return out
+
+    engine = Engine(build_model(args, weights, ops=TORCH_OPS), tokenizer, max_batch=4, max_seq=64)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    assert len({len(ids) for ids in prompts}) > 1
+    requests = [engine.submit(ids, SamplingParams(), 12, stop_ids=set()) for ids in prompts]
+    engine.start()  # after every submission: all four join the first pass
+    try:
+        for ids, request in zip(prompts, requests, strict=True):
+            tokens = [event.id for event in request.events(timeout_s=120) if isinstance(event, Token)]
+            assert tokens == alone(ids, 12)
+        assert engine.stats.largest_batch == 4
+    finally:
+        engine.stop()

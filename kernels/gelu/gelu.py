@@ -80,7 +80,7 @@ def example_calls():
     for kind in KINDS:
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.zeros(577, 4096, dtype=dtype)
-            yield lambda x=x, kind=kind: bias_gelu(x, torch.zeros(4096, dtype=dtype), kind)
+            yield lambda x=x, kind=kind: bias_gelu(x, torch.zeros(4096, dtype=x.dtype), kind)
 
 
 if __name__ == "__main__":

@@ -70,19 +70,30 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = torch_rms_norm(q, self.q_norm, args.norm_eps).to(x.dtype)
             k = torch_rms_norm(k, self.k_norm, args.norm_eps).to(x.dtype)
-        q, k = torch_rope(input_pos, q, k, self.inv_freq)
         cache = self.kv_cache
-        cache.k[:, :, input_pos] = k.transpose(1, 2).to(cache.k.dtype)
-        cache.v[:, :, input_pos] = v.reshape(batch, seq, args.n_kv_heads, args.head_dim).transpose(1, 2).to(cache.v.dtype)
+        v = v.reshape(batch, seq, args.n_kv_heads, args.head_dim)
+        if seq == 1 and input_pos.numel() == batch > 1:
+            # A decode step with one position per row (continuous batching): the rows are the
+            # rope's sequence, and each row writes its own cache position.
+            q, k = (t.transpose(0, 1) for t in torch_rope(input_pos, q.transpose(0, 1), k.transpose(0, 1), self.inv_freq))
+            rows = torch.arange(batch, device=x.device)
+            cache.k[rows, :, input_pos] = k[:, 0].to(cache.k.dtype)
+            cache.v[rows, :, input_pos] = v[:, 0].to(cache.v.dtype)
+            query_pos = input_pos[:, None]  # [batch, 1]
+        else:
+            q, k = torch_rope(input_pos, q, k, self.inv_freq)
+            cache.k[:, :, input_pos] = k.transpose(1, 2).to(cache.k.dtype)
+            cache.v[:, :, input_pos] = v.transpose(1, 2).to(cache.v.dtype)
+            query_pos = input_pos[None, :]  # [1, seq]
         keys = cache.k.repeat_interleave(args.n_heads // args.n_kv_heads, dim=1).float()
         values = cache.v.repeat_interleave(args.n_heads // args.n_kv_heads, dim=1).float()
         scores = torch.einsum("bqhd,bhkd->bhqk", q.float(), keys) / math.sqrt(args.head_dim)
         scores = softcap(scores, args.attn_logit_softcap)
         positions = torch.arange(keys.shape[2], device=x.device)
-        visible = positions[None, :] <= input_pos[:, None]
+        visible = positions <= query_pos[..., None]  # [batch or 1, seq, keys]
         if sliding_layer(self.index, args):
-            visible &= positions[None, :] > input_pos[:, None] - int(args.sliding_window or 0)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            visible &= positions > query_pos[..., None] - int(args.sliding_window or 0)
+        probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
         y = torch.einsum("bhqk,bhkd->bqhd", probs, values).reshape(batch, seq, self.q_size)
         return self.wo(y.to(x.dtype))
 
@@ -103,7 +114,10 @@ class GemmaBlock(nn.Module):
 
 
 class GemmaTransformer(nn.Module):
-    """Gemma 2 or 3 from GGUF-named weights (see weights.py); the interface of model.Transformer."""
+    """Gemma 2 or 3 from GGUF-named weights (see weights.py); the interface of model.Transformer,
+    a decode step included: tokens [batch, 1] at one position per row."""
+
+    per_row_positions = True
 
     def __init__(
         self,

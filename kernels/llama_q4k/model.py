@@ -410,6 +410,9 @@ class Transformer(nn.Module):
     KV cache are in `dtype`; norms and their statistics stay fp32.
     """
 
+    # A decode step (one token per row) takes one position per row: continuous batching.
+    per_row_positions = True
+
     def __init__(
         self,
         args: ModelArgs,

@@ -88,9 +88,8 @@ class Served:
                     raise ValueError(f"--draft {draft}: {draft_args.vocab_size} tokens, the model {args.vocab_size}")
             else:
                 draft_args, draft_weights = draft_from_target(args, weights, int(draft_layers or 0))
-        # Rows the engine will really have: one with a draft, or for a model without a position
-        # per row (Gemma); the budget is shared by those only.
-        rows = 1 if draft_args is not None or args.arch in GEMMAS else max_batch
+        # Rows the engine will really have: one with a draft; the budget is shared by those only.
+        rows = 1 if draft_args is not None else max_batch
         cuda = self.device.type == "cuda"
         dtype = torch.bfloat16 if cuda else torch.float32
         self.vision = None
