@@ -281,3 +281,27 @@ def test_gemma_rows_decode_together_and_each_answers_as_alone(tmp_path: Path, ar
         assert engine.stats.largest_batch == 4
     finally:
         engine.stop()
+
+
+def test_a_step_runs_only_up_to_the_last_row_in_use(model_file: Path, solo: TextModel) -> None:
+    """One request on a 4-row engine decodes one row per step; a short request in row 0 and a
+    longer one in row 1 run two rows, and the longer one's reply is still plain decoding once
+    row 0 is idle."""
+    from kernels.llama_q4k.engine import Engine, Token
+    from kernels.llama_q4k.model import TORCH_OPS
+    from kernels.llama_q4k.weights import build_model, load_gguf
+
+    args, weights, _ = load_gguf(model_file)
+    prompts = [solo.tokenizer.encode(text) for text in PROMPTS[:2]]
+    for lengths, rows_per_step in (([10], 1), ([3, 10], 2)):
+        engine = Engine(build_model(args, weights, ops=TORCH_OPS), solo.tokenizer, max_batch=4, max_seq=64)
+        requests = [engine.submit(ids, SamplingParams(), n, stop_ids=set()) for ids, n in zip(prompts, lengths)]
+        engine.start()
+        try:
+            for ids, n, request in zip(prompts, lengths, requests):
+                tokens = [event.id for event in request.events(timeout_s=120) if isinstance(event, Token)]
+                assert tokens == list(solo.stream(ids, SamplingParams(), n, stop=set()))
+        finally:
+            engine.stop()
+        assert engine.stats.decode_steps > 0
+        assert engine.stats.rows_computed == rows_per_step * engine.stats.decode_steps

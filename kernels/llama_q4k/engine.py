@@ -4,7 +4,7 @@ One thread owns the model. Each pass it admits waiting requests into free rows o
 (a prefill of that row alone), then runs one decode step for every row at once: each row at its
 own position, with its own sampling parameters, seed and stop conditions. A row whose request
 ends is free for the next one at the following pass; rows without a request still take part in
-the step (a batch of fixed size keeps the decode kernels' shapes) and their outputs are dropped.
+the step up to the last row in use (rows past it are left out) and their outputs are dropped.
 
     engine = Engine(model, tokenizer, max_batch=8, max_seq=4096)
     engine.start()
@@ -121,6 +121,7 @@ class Stats:
     completion_tokens: int = 0
     decode_steps: int = 0
     largest_batch: int = 0  # most rows with a request in one decode step
+    rows_computed: int = 0  # rows the decode steps ran, idle ones included
     ttft_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     images: int = 0
@@ -128,11 +129,11 @@ class Stats:
 
 
 class _RowCache(torch.nn.Module):
-    """One row of a layer's KV cache, as views: a prefill into it writes the shared cache."""
+    """Rows [start, stop) of a layer's KV cache, as views: the model writes the shared cache."""
 
-    def __init__(self, cache: Any, row: int) -> None:
+    def __init__(self, cache: Any, start: int, stop: int) -> None:
         super().__init__()
-        self.k, self.v = cache.k[row : row + 1], cache.v[row : row + 1]
+        self.k, self.v = cache.k[start:stop], cache.v[start:stop]
 
 
 class Engine:
@@ -268,12 +269,12 @@ class Engine:
                 request.put(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
 
     @contextmanager
-    def _only_row(self, row: int) -> Iterator[None]:
+    def _only_rows(self, start: int, stop: int) -> Iterator[None]:
         layers = self.model.layers
         caches = [layer.attention.kv_cache for layer in layers]
         try:
             for layer, cache in zip(layers, caches, strict=True):
-                layer.attention.kv_cache = _RowCache(cache, row)
+                layer.attention.kv_cache = _RowCache(cache, start, stop)
             yield
         finally:
             for layer, cache in zip(layers, caches, strict=True):
@@ -295,7 +296,7 @@ class Engine:
             self.stats.images += len(request.images)
             self.stats.image_encode_s.append(request.image_encode_s)
             del self.stats.image_encode_s[:-1000]
-        with self._only_row(row):
+        with self._only_rows(row, row + 1):
             positions = torch.arange(len(request.prompt), device=self.device)
             extra = {} if embeds is None else {"embeds": embeds}
             logits = self.model(ids, positions, last_only=True, **extra)
@@ -329,10 +330,18 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> None:
         started = time.perf_counter()
-        tokens = torch.tensor([[t] for t in self.last], device=self.device)
-        positions = torch.tensor(self.positions, device=self.device)
-        logits = self.model(tokens, positions)[:, -1]
+        # Rows past the last one with a request are left out of the step (new requests take the
+        # lowest free row, so the busy rows stay near the front); idle rows before it still run.
+        rows = 1 + max(row for row, request in enumerate(self.rows) if request is not None)
+        tokens = torch.tensor([[t] for t in self.last[:rows]], device=self.device)
+        positions = torch.tensor(self.positions[:rows], device=self.device)
+        if rows == self.max_batch:
+            logits = self.model(tokens, positions)[:, -1]
+        else:
+            with self._only_rows(0, rows):
+                logits = self.model(tokens, positions)[:, -1]
         self.stats.decode_steps += 1
+        self.stats.rows_computed += rows
         self.stats.largest_batch = max(self.stats.largest_batch, self.active())
         for row, request in enumerate(self.rows):
             if request is not None:

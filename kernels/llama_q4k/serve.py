@@ -173,6 +173,7 @@ def build_app(served: Served) -> Starlette:
             f"loom_serve_prompt_tokens_total {s.prompt_tokens}",
             f"loom_serve_completion_tokens_total {s.completion_tokens}",
             f"loom_serve_decode_steps_total {s.decode_steps}",
+            f"loom_serve_decode_rows_computed_total {s.rows_computed}",
             f"loom_serve_queue_depth {engine.waiting.qsize()}",
             f"loom_serve_rows_active {engine.active()}",
             f"loom_serve_rows_largest_batch {s.largest_batch}",
