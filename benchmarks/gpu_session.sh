@@ -27,6 +27,9 @@
 #   attention   the model's decode attention, variants against RoPE + SDPA
 #   loop        every kernel task (or $LOOP_TASKS, comma-separated) through submit_candidate over MCP
 #   model       the Llama-3-8B-shaped model program: decode, prefill, logits check
+#   vision      the layernorm and gelu kernels' self-checks, the image tests on the GPU, and
+#               the LLaVA-1.5-shaped vision tower: encode time, kernels against plain ops
+#               (needs pillow and transformers among the carried wheels for the tests)
 #   pack        (also done after the last phase) the device returns at most 8 files from $OUT:
 #               more are packed into $OUT/session.tgz (tar xzf it where they land)
 # Several phases in one call: bash benchmarks/gpu_session.sh verify turnaround loop
@@ -86,6 +89,10 @@ case "$phase" in
     python3 -c "import sys; from pathlib import Path; from loom_mcp.traces.analysis import analyze; \
 a = analyze(Path(sys.argv[1])); [print(f'{k.time_us:10.1f} us {k.count:6d}x  {k.name[:90]}') for k in sorted(a.kernels, key=lambda k: -k.time_us)[:25]]" \
       "$out/decode_trace.json" 2>&1 | tee "$out/decode_kernels.txt" ;;
+  vision)
+    python3 -m kernels.layernorm.layernorm && python3 -m kernels.gelu.gelu
+    timeout 200 python3 -m pytest -q -m gpu tests/test_vision.py 2>&1 | tail -5 | tee "$out/pytest_vision.txt"
+    timeout 300 python3 benchmarks/vision_bench.py --runs 30 --batch 1 4 8 | tee "$out/vision_bench.json" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 done
