@@ -281,6 +281,15 @@ def test_gemma_rows_decode_together_and_each_answers_as_alone(tmp_path: Path, ar
         assert engine.stats.largest_batch == 4
     finally:
         engine.stop()
+    # chat.py's one-request path runs Gemma too (prefill without image embeddings)
+    from kernels.llama_q4k.generate import DecodeStep
+
+    text_model = TextModel.__new__(TextModel)
+    text_model.__dict__.update(solo.__dict__)
+    text_model.model = build_model(args, weights, ops=TORCH_OPS)
+    text_model.model.setup_caches(1, 64)
+    text_model.decode = DecodeStep(text_model.model, 1, use_graph=False)
+    assert list(text_model.stream(prompts[0], SamplingParams(), 12, stop=set())) == alone(prompts[0], 12)
 
 
 def test_a_step_runs_only_up_to_the_last_row_in_use(model_file: Path, solo: TextModel) -> None:

@@ -275,6 +275,10 @@ def test_markers_become_slots_and_data_urls_decode():
         tokenize(encode, f"a{IMAGE_MARKER}", 3, 2)
     image = random_image(5, 3)
     assert np.array_equal(np.asarray(image_from_data_url(data_url(image))), np.asarray(image))
+    # A 16000x1 PNG is a few hundred bytes, but padded to a square it is 768 MB of pixels.
+    for size, message in [((16000, 1), "a side"), ((300, 10), "more than 20:1"), ((9000, 500), "a side")]:
+        with pytest.raises(ValueError, match=message):
+            image_from_data_url(data_url(PIL_Image.new("RGB", size)))
     for bad, message in [("https://example.com/cat.png", "fetches nothing"),
                          ("data:image/png,abc", "base64"),
                          ("data:image/png;base64,%%%", "does not decode"),
@@ -329,6 +333,13 @@ def test_an_image_request_round_trips_through_the_openai_client(files):
         with pytest.raises(openai.BadRequestError, match="fetches nothing"):
             client.chat.completions.create(model="tiny.gguf", max_tokens=2, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+        # ten images of 16 tokens fill a 160-token context: refused before any is decoded
+        with pytest.raises(openai.BadRequestError, match="do not fit"):
+            client.chat.completions.create(model="tiny.gguf", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(red)}}] * 10}])
+        with pytest.raises(openai.BadRequestError, match="sides more than"):
+            client.chat.completions.create(model="tiny.gguf", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(PIL_Image.new("RGB", (4000, 2)))}}]}])
         with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
             metrics = response.read().decode()
         assert "loom_serve_images_total 2" in metrics and "loom_serve_image_encode_seconds" in metrics
@@ -398,3 +409,19 @@ def test_encoder_on_gpu_kernels_matches_its_torch_path(files):
 
 if __name__ == "__main__":
     print(json.dumps(interpreted_errors(sys.argv[1])))
+
+
+def test_the_kernels_refuse_weights_of_the_wrong_shape():
+    from kernels.gelu.gelu import bias_gelu
+    from kernels.layernorm.layernorm import add_layer_norm
+
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight and bias must be"):
+        add_layer_norm(x, None, torch.ones(16)[::2].clone()[:4], torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="delta must have"):
+        add_layer_norm(x, torch.randn(1, 8), torch.ones(8), torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="bias must be"):
+        bias_gelu(x, torch.zeros(4), "erf")
+    total, normed = add_layer_norm(x, x, torch.ones(16)[::2], torch.zeros(8), 1e-5)  # strided weight
+    expected = torch.nn.functional.layer_norm(2 * x, (8,), eps=1e-5)
+    torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)

@@ -62,6 +62,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, kind: str = "erf") -> 
     """act(x + bias) over x's last dimension (bias of that width, or None)."""
     if kind not in KINDS:
         raise ValueError(f"GELU kind {kind!r}; one of {', '.join(KINDS)}")
+    if bias is not None and bias.shape != (x.shape[-1],):
+        raise ValueError(f"bias must be [{x.shape[-1]}]; got {tuple(bias.shape)}")
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return torch_bias_gelu(x, bias, kind)
     flat = x.contiguous()

@@ -75,8 +75,13 @@ def add_layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, LayerNorm(x + delta)) over the last dimension; with delta None, (x, LayerNorm(x))."""
     hidden = x.shape[-1]
+    if weight.shape != (hidden,) or bias.shape != (hidden,):
+        raise ValueError(f"weight and bias must be [{hidden}]; got {tuple(weight.shape)} and {tuple(bias.shape)}")
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"delta must have x's shape {tuple(x.shape)}; got {tuple(delta.shape)}")
     if not _runs_triton(x):
         return torch_add_layer_norm(x, delta, weight, bias, eps)
+    weight, bias = weight.contiguous(), bias.contiguous()
     if hidden > MAX_FUSED_ROW:
         raise ValueError(f"row width {hidden} exceeds the one-program limit {MAX_FUSED_ROW}")
     rows = x.reshape(-1, hidden).contiguous()

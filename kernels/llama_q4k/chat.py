@@ -109,7 +109,12 @@ class TextModel:
                     raise ValueError("images need a vision tower: load the model with mmproj=")
                 encoded = self.vision.encode(list(images))
                 embeds = embed_prompt(self.model.tok_embeddings, seen, image_starts, encoded)
-            logits = self.model(seen, torch.arange(len(prompt_ids), device=self.device), last_only=True, embeds=embeds)
+            extra = {} if embeds is None else {"embeds": embeds}
+            logits = self.model(seen, torch.arange(len(prompt_ids), device=self.device), last_only=True, **extra)
+            if images:  # a repetition penalty counts text tokens, not the image's slots
+                assert self.vision is not None
+                slots = {i for start in image_starts for i in range(start, start + self.vision.n_image_tokens)}
+                seen = torch.tensor([[t for i, t in enumerate(prompt_ids) if i not in slots]], device=self.device)
             for i in range(budget):
                 token = next_token(logits[:, -1], params, generator, seen if params.repetition_penalty != 1 else None)
                 value = int(token.item())

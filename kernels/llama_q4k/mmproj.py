@@ -142,7 +142,9 @@ def load_mmproj(path: str | Path) -> tuple[VisionArgs, dict[str, Tensor]]:
     feature = optional("clip.vision.feature_layer")
     n_layers = int(field("clip.vision.block_count"))
     if feature:
-        n_layers = min(n_layers, int(feature[0]))
+        if not 0 < int(feature[0]) <= n_layers:
+            raise ValueError(f"{path}: clip.vision.feature_layer {feature[0]} is not one of the {n_layers} stored layers")
+        n_layers = int(feature[0])
     args = VisionArgs(
         image_size=image_size,
         patch_size=patch,

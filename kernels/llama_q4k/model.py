@@ -507,8 +507,10 @@ class Transformer(nn.Module):
 
 
 @torch.no_grad()
-def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor) -> Tensor:
-    """fp32 logits [batch, seq, vocab] of the whole sequence, on tokens' device.
+def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor, context: int | None = None) -> Tensor:
+    """fp32 logits [batch, seq, vocab] of the whole sequence, on tokens' device. `context`: the
+    KV cache length of the model it is compared with (LongRoPE picks its factors by it; default
+    the sequence's length).
 
     Plain PyTorch written apart from the model above, so that a bug in the cache, the mask, the
     fusion or the GQA head mapping shows as a mismatch: no cache, one matrix per GGUF tensor,
@@ -529,7 +531,7 @@ def reference_logits(args: ModelArgs, weights: dict[str, Tensor], tokens: Tensor
     embedding = weights["token_embd.weight"].to(device)[tokens]
     x = dequantize_q4_k(embedding) if embedding.dtype == torch.uint8 else embedding.float()
     positions = torch.arange(seq, device=device)
-    inv_freq = rope_frequencies(args, weights, context=seq).to(device)
+    inv_freq = rope_frequencies(args, weights, context=context or seq).to(device)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     for i in range(args.n_layers):
         blk = f"blk.{i}."

@@ -223,10 +223,10 @@ def build_app(served: Served) -> Starlette:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise Refused("messages must be a non-empty list", 400, "invalid_messages")
-                images: list[Any] = []
+                images: list[str] = []
                 flat = [{**m, "content": _text_of(m.get("content"), images)} for m in messages]
-                if images and served.vision is None:
-                    raise Refused("this model has no vision encoder (start the server with --mmproj)", 400, "images_unsupported")
+                if images:
+                    pixels = await _image_pixels(served, images, engine.max_seq)
                 tools = body.get("tools") or None
                 choice = body.get("tool_choice")
                 fmt = format_of(tokenizer.chat_template)
@@ -240,9 +240,8 @@ def build_app(served: Served) -> Starlette:
                 if images and served.vision is not None:
                     from kernels.llama_q4k.vision import tokenize
 
-                    vision = served.vision
-                    pixels = await asyncio.to_thread(lambda: [vision.pixels(image) for image in images])
-                    marked = tokenize(tokenizer.encode, rendered, vision.n_image_tokens, len(images), special_text=True)
+                    n_tokens = served.vision.n_image_tokens
+                    marked = tokenize(tokenizer.encode, rendered, n_tokens, len(images), special_text=True)
                     prompt, image_starts = marked.ids, marked.image_starts
                 else:
                     prompt = tokenizer.encode(rendered, special_text=True)
@@ -291,7 +290,7 @@ def build_app(served: Served) -> Starlette:
                 reason = "tool_calls"
         if body.get("stream"):  # with tools: the whole reply as one chunk, then the end
             return StreamingResponse(
-                _one_chunk(ident, created, served.name, message, reason, _usage(finished)),
+                _one_chunk(ident, created, served.name, message, reason, _usage(finished), _timings(finished)),
                 media_type="text/event-stream",
             )
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
@@ -337,26 +336,57 @@ def build_app(served: Served) -> Starlette:
     )
 
 
-def _text_of(content: Any, images: list[Any]) -> str:
+async def _image_pixels(served: Served, urls: list[str], max_seq: int) -> list[torch.Tensor]:
+    """Each image's pixels, decoded and preprocessed off the event loop; refused (400) before any
+    decoding when the server has no vision tower or the images alone would fill the context."""
+    vision = served.vision
+    if vision is None:
+        raise Refused("this model has no vision encoder (start the server with --mmproj)", 400, "images_unsupported")
+    if len(urls) * vision.n_image_tokens >= max_seq:
+        raise Refused(
+            f"{len(urls)} image(s) of {vision.n_image_tokens} tokens each do not fit this server's context "
+            f"of {max_seq} tokens",
+            400,
+            "context_length_exceeded",
+        )
+
+    def decode() -> list[torch.Tensor]:
+        from kernels.llama_q4k.vision import image_from_data_url
+
+        return [vision.pixels(image_from_data_url(url)) for url in urls]
+
+    try:
+        return await asyncio.to_thread(decode)
+    except (ValueError, MemoryError) as exc:
+        raise Refused(f"image refused: {exc or 'out of memory'}", 400, "invalid_image") from None
+
+
+def _text_of(content: Any, images: list[str]) -> str:
     """A message's content as text: a string, or a list of content parts. Each `image_url` part
-    becomes the image marker in the text, its decoded image appended to `images`."""
+    becomes the image marker in the text, its URL appended to `images` (decoded later)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        from kernels.llama_q4k.vision import IMAGE_MARKER, image_from_data_url
+        from kernels.llama_q4k.vision import IMAGE_MARKER
 
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                parts.append(str(part.get("text", "")))
+                text = part.get("text")
+                if IMAGE_MARKER in str(text or ""):
+                    raise Refused(f"text parts may not contain {IMAGE_MARKER}", 400, "invalid_messages")
+                parts.append("" if text is None else str(text))
             elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                try:
-                    images.append(image_from_data_url(url))
-                except ValueError as exc:
-                    raise Refused(str(exc), 400, "invalid_image") from None
+                if not isinstance(url, str) or not url.startswith("data:"):
+                    raise Refused(
+                        "image_url must be a data URL (data:image/...;base64,...); this server fetches nothing",
+                        400,
+                        "invalid_image",
+                    )
+                images.append(url)
                 parts.append(IMAGE_MARKER)
             else:
                 raise Refused(f"content part type {kind!r} is not supported (text, image_url)", 400, "unsupported")
@@ -383,13 +413,14 @@ def _usage(finished: Finished) -> dict[str, int]:
 
 
 async def _one_chunk(
-    ident: str, created: int, model: str, message: dict[str, Any], reason: str, usage: dict[str, int]
+    ident: str, created: int, model: str, message: dict[str, Any], reason: str, usage: dict[str, int],
+    timings: dict[str, float],
 ) -> AsyncIterator[str]:
     delta = dict(message)
     if "tool_calls" in delta:
         delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
     for choice, extra in (({"index": 0, "delta": delta, "finish_reason": None}, {}),
-                          ({"index": 0, "delta": {}, "finish_reason": reason}, {"usage": usage})):
+                          ({"index": 0, "delta": {}, "finish_reason": reason}, {"usage": usage, "timings": timings})):
         payload = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [choice], **extra}
         yield f"data: {json.dumps(payload)}\n\n"

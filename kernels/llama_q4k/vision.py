@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 # What llama.cpp's multimodal tools put in a prompt's text where an image goes.
 IMAGE_MARKER = "<__media__>"
 # Pillow refuses larger images as decompression bombs; a request gets a 400 well before that.
+# The side and aspect limits keep the padded square and the resized strip small: a 16000x1 PNG
+# is 127 bytes.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+MAX_IMAGE_SIDE = 8192
+MAX_ASPECT = 20
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 
 
@@ -55,8 +59,13 @@ def decode_image(data: bytes) -> Image:
         raise ValueError(f"the image is {len(data)} bytes; the limit is {MAX_IMAGE_BYTES}")
     try:
         image = PILImage.open(io.BytesIO(data))
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise ValueError(f"the image is {image.width}x{image.height}; the limit is {MAX_IMAGE_PIXELS} pixels")
+        if image.width * image.height > MAX_IMAGE_PIXELS or max(image.size) > MAX_IMAGE_SIDE:
+            raise ValueError(
+                f"the image is {image.width}x{image.height}; the limits are {MAX_IMAGE_PIXELS} pixels "
+                f"and {MAX_IMAGE_SIDE} a side"
+            )
+        if max(image.size) > MAX_ASPECT * max(1, min(image.size)):
+            raise ValueError(f"the image is {image.width}x{image.height}; sides more than {MAX_ASPECT}:1 are refused")
         image.load()
     except (OSError, PILImage.DecompressionBombError) as exc:
         raise ValueError(f"not a readable image: {exc}") from None

@@ -20,13 +20,15 @@ in one, ffn_up: split at load and fused again on write), gemma2 and gemma3 (gemm
 llama's q/k rows are permuted in the file: the Qwen, Phi and Gemma converters keep Hugging
 Face's order.
 
-Rope scaling: Llama 3.1's (a `rope_freqs.weight` tensor of per-frequency factors) and linear
-scaling (`{arch}.rope.scaling.type` "linear", gemma3 4B and larger on their global layers).
+Rope scaling: Llama 3.1's (a `rope_freqs.weight` tensor of per-frequency factors), linear
+scaling (`{arch}.rope.scaling.type` "linear", gemma3 4B and larger on their global layers),
+YaRN (type "yarn", its factor, original context and beta keys) and LongRoPE
+(`rope_factors_short/long`, `rope.scaling.attn_factor`: Phi-3 128k, Phi-3.5). Files with a
+partial rotary (`rope.dimension_count` below the head size) are refused.
 
 Not handled: Mistral v0.1's sliding window (4096); Phi-3's sliding window (2047; llama.cpp
-ignores it too) and its long-context rope factors (`rope_factors_long/short`, the 128k models);
-YaRN scaling. A file with any of them loads and is right only within the window or the
-original context.
+ignores it too); YaRN's `yarn_log_multiplier` (DeepSeek's mscale). A file with a sliding window
+loads and is right only within the window.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ def load_gguf(path: str | Path) -> tuple[ModelArgs, dict[str, Tensor], dict[str,
     if "output.weight" not in weights:  # tied embeddings
         weights["output.weight"] = weights["token_embd.weight"]
     scaling = optional(f"{arch}.rope.scaling.type")
+    if optional(f"{arch}.rope.scaling.yarn_log_multiplier"):
+        raise ValueError(f"{path}: YaRN's yarn_log_multiplier (DeepSeek's mscale) is not covered")
     if scaling not in (None, "none", "linear", "yarn", "longrope"):
         raise ValueError(f"{path}: rope scaling {scaling!r}; this model program does none, linear, yarn and longrope")
     factor = (
@@ -288,6 +292,9 @@ def write_gguf(
         writer.add_rope_scaling_orig_ctx_len(args.rope_original_context)
     if args.rope_attn_factor != 1.0:
         writer.add_rope_scaling_attn_factors(args.rope_attn_factor)
+    if args.rope_scaling_type == "yarn":
+        writer.add_float32(f"{args.arch}.rope.scaling.yarn_beta_fast", args.yarn_beta_fast)
+        writer.add_float32(f"{args.arch}.rope.scaling.yarn_beta_slow", args.yarn_beta_slow)
     writer.add_vocab_size(args.vocab_size)
     weights, quant_types = _fuse(args, weights, quant_types)
     for name, weight in weights.items():
