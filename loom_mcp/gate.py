@@ -44,6 +44,13 @@ from loom_mcp.judge_models import (
 # candidate over a large sweep still gets a compact answer.
 _MAX_CASES_LISTED = 5
 
+# While timed, a candidate may differ from the baseline by at most its own allowed error plus
+# the baseline's (both measured by validation), times this for the noise of a sampled estimate.
+# A red-team candidate that switched an fp32 GEMM to bf16 only while timed read 29x validation's
+# bound; one serving RMSNorm from a cache of row scales read 10x.
+OUTPUT_DRIFT_FACTOR = 3.0
+_MIN_DRIFT_SAMPLES = 32
+
 
 @dataclass
 class _Reasons:
@@ -319,6 +326,31 @@ def _judge_coverage(validation: ValidationEvidence, benchmark: BenchmarkEvidence
         )
 
 
+def _judge_output_drift(validation: ValidationEvidence, benchmark: BenchmarkEvidence, out: _Reasons) -> None:
+    """What the candidate computed while timed must be as accurate as what validation passed:
+    per shape, its sampled deviation from the baseline within OUTPUT_DRIFT_FACTOR x (validation's
+    normwise bound + the reference's own normwise error) for that shape. Validation and the
+    benchmark run in different processes, and a candidate can tell them apart in many ways; this
+    holds the timed calls to validation's standard whatever the candidate does there."""
+    allowed: dict[str, float] = {}
+    for case in validation.cases:
+        if case.norm_rel_bound is not None:
+            own = case.norm_rel_bound + (case.ref_norm_rel_err or 0.0)
+            allowed[case.shape] = max(allowed.get(case.shape, 0.0), own)
+    for s in benchmark.shapes:
+        if s.output_deviation is None or s.output_samples < _MIN_DRIFT_SAMPLES or s.name not in allowed:
+            continue
+        limit = OUTPUT_DRIFT_FACTOR * allowed[s.name]
+        if s.output_deviation > limit:
+            out.add(
+                "benchmark.output_drift",
+                f"Shape {s.name}: while timed, the candidate's outputs differ from the baseline's by "
+                f"{s.output_deviation:.3g} (normwise, over {s.output_samples} sampled values), more than "
+                f"{limit:.3g}, {OUTPUT_DRIFT_FACTOR:g}x what validation allowed it plus the reference's own "
+                "error: it computes less accurately while timed than it did for validation.",
+            )
+
+
 def benchmark_reasons(benchmark: BenchmarkEvidence, config: GateConfig) -> list[tuple[ReasonCode, str]]:
     """What the gate would hold against this benchmark on its own: the same rules `decide`
     applies, rejecting reasons first, then review concerns. Empty: it would clear the bar."""
@@ -370,6 +402,7 @@ def decide(
         _judge_benchmark(benchmark, config, out)
         if validation is not None:
             _judge_coverage(validation, benchmark, out)
+            _judge_output_drift(validation, benchmark, out)
 
     verdict: Literal["accept", "reject", "needs_review"]
     if out.blocking:

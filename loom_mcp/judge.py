@@ -384,6 +384,7 @@ def summarize_benchmark(
             roofline_fraction=s.roofline_fraction,
             stop_reason=s.stop_reason,
             block_speedups=s.block_ratios,
+            output_deviation=s.output_deviation,
         )
         for s in evidence.shapes
     ]

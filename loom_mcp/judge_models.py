@@ -288,6 +288,12 @@ class RatioCI(_Model):
         return self
 
 
+OUTPUT_DEVIATION_HELP = (
+    "While timed: ||candidate - baseline|| / ||baseline|| over the outputs sampled at secret "
+    "positions of every call; held to validation's normwise bound (benchmark.output_drift)"
+)
+
+
 class ShapeSamples(_Model):
     """Raw interleaved A/B samples of one shape, as the benchmark worker measured them.
 
@@ -306,6 +312,8 @@ class ShapeSamples(_Model):
     blocks: list[int] | None = optional(
         "The block (fresh pair of arm processes) each A/B pair was timed in; given, the CI is taken across blocks"
     )
+    output_deviation: float | None = Field(default=None, ge=0, description=OUTPUT_DEVIATION_HELP)
+    output_samples: int = Field(default=0, ge=0, description="Sampled outputs output_deviation is taken over")
 
     @model_validator(mode="after")
     def _lengths(self) -> ShapeSamples:
@@ -332,6 +340,8 @@ class ShapeTiming(_Model):
     block_ratios: list[float] | None = optional(
         "Speedup (ratio of medians) in each block, in block order: their spread is the CI's width"
     )
+    output_deviation: float | None = Field(default=None, ge=0, description=OUTPUT_DEVIATION_HELP)
+    output_samples: int = Field(default=0, ge=0, description="Sampled outputs output_deviation is taken over")
 
 
 class BenchmarkEvidence(_Model):
@@ -398,6 +408,7 @@ ReasonCode = Literal[
     "benchmark.too_few_samples",
     "benchmark.shapes_missing",
     "benchmark.misbehaved",
+    "benchmark.output_drift",
     "benchmark.ci_level",
     "speedup.insufficient",
     "shape.regression",

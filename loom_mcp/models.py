@@ -244,6 +244,10 @@ class ShapeSpeed(_Model):
         "CPU wall clock: the speedup in each block (a fresh pair of arm "
         "processes); the CI is a t-interval across them, so their spread is its width"
     )
+    output_deviation: float | None = optional(
+        "Normwise distance of the timed calls' sampled outputs from the baseline's; the gate "
+        "allows 3x validation's bound (benchmark.output_drift)"
+    )
 
 
 class BenchmarkResult(_Model):

@@ -59,7 +59,8 @@ def good_compile() -> CompileEvidence:
 def good_validation(shapes=("decode", "prefill"), seeds: int = 5) -> ValidationEvidence:
     cases = [
         ValidationCase(shape=s, seed=k, input_kind=kind, dtype="fp32", max_abs_err=1e-6,
-                       max_rel_err=1e-6, atol=1e-4, rtol=1e-4, passed=True)
+                       max_rel_err=1e-6, atol=1e-4, rtol=1e-4, passed=True, norm_rel_err=2e-7,
+                       norm_rel_bound=1e-4, ref_norm_rel_err=1e-7)
         for s in shapes
         for k in range(seeds)
         for kind in ("normal", "heavy_tailed")
@@ -115,6 +116,28 @@ def test_a_validated_shape_left_untimed_rejects():
     assert v.verdict == "reject"
     assert "benchmark.shapes_missing" in v.reason_codes
     assert any("prefill" in r for r in v.reasons)
+
+
+def test_timed_outputs_are_held_to_validations_bound_per_shape():
+    """3x (validation's normwise bound + the reference's own error): 3.0e-4 here. An honest
+    kernel differs from the baseline by both their rounding errors; validation's own numbers say
+    how large those may be."""
+    def verdict(deviation: float, samples: int = 3200, validation="good"):
+        b = good_benchmark(shapes=[shape("decode", output_deviation=deviation, output_samples=samples),
+                                   shape("prefill", output_deviation=1e-7, output_samples=3200)])
+        return judge(benchmark=b, validation=validation)
+
+    assert verdict(2.9e-4).verdict == "accept"
+    drift = verdict(3.2e-4)
+    assert drift.verdict == "reject" and drift.reason_codes == ["benchmark.output_drift"]
+    assert "decode" in drift.reasons[0] and "prefill" not in drift.reasons[0]
+    assert verdict(1e-2, samples=16).verdict == "accept"  # too few samples to say
+    # A shape whose reference is all zeros has no normwise bound: nothing to hold it to.
+    unbounded = good_validation(("decode", "prefill"))
+    for case in unbounded.cases:
+        if case.shape == "decode":
+            case.norm_rel_bound = None
+    assert verdict(1e-2, validation=unbounded).verdict == "accept"
 
 
 def test_warnings_never_decide():
@@ -283,6 +306,15 @@ SCENARIOS: dict[str, tuple[Mut, str, ReasonCode]] = {
         ),
         "reject",
         "benchmark.shapes_missing",
+    ),
+    "less accurate while timed": (
+        lambda: judge(
+            benchmark=good_benchmark(
+                shapes=[shape("decode", output_deviation=2.9e-3, output_samples=3200), shape("prefill")]
+            )
+        ),
+        "reject",
+        "benchmark.output_drift",
     ),
     "misbehaved while timed": (
         lambda: judge(

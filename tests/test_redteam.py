@@ -644,3 +644,30 @@ async def test_honest_wide_softmax_passes_in_fp32_and_bf16(degenerate_server, de
         assert case["norm_rel_err"] <= case["norm_rel_bound"]
         if candidate == "honest_softmax_wide.py":  # the reference's own arithmetic, to the bit
             assert case["norm_rel_err"] == pytest.approx(case["ref_norm_rel_err"])
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.parametrize(("candidate", "codes"), [
+    ("cheat_precision_when_timed.py", {"benchmark.output_drift"}),
+    ("cheat_row_scale_cache.py", {"benchmark.output_drift", "benchmark.misbehaved"}),
+    ("honest_torch.py", set()),
+])
+async def test_what_is_computed_while_timed_meets_validations_standard(workspace, candidate, codes):
+    """Both cheats pass validation and were accepted before (a red-team pass on CPU); the whole
+    judge (validate, benchmark, gate) now rejects them, and an honest kernel draws neither code.
+    The policy allows wall-clock accepts here, as the red team's did."""
+    from loom_mcp.check import _check
+
+    config = load_config(workspace / "home", environ={"LOOM_ALLOWED_ROOTS": str(workspace)})
+    config = config.model_copy(update={"gate": config.gate.model_copy(update={"accept_wall_clock": True})})
+    result = await _check(config, str(workspace / "redteam" / "task_rmsnorm.py"),
+                          str(workspace / "redteam" / candidate), None, None)
+    assert result["validation"]["passed"] is True  # the premise: validation alone cannot see it
+    found = set(result["verdict"]["reason_codes"]) & {"benchmark.output_drift", "benchmark.misbehaved"}
+    if codes:
+        assert result["verdict"]["verdict"] == "reject" and found & codes, result["verdict"]
+    else:
+        assert not found, result["verdict"]
+        shapes = result["benchmark"]["shapes"]
+        assert all(s["output_deviation"] is not None and s["output_deviation"] < 1e-5 for s in shapes), shapes

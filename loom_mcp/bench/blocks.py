@@ -3,6 +3,7 @@ shape, labelled by block, and what every block's arms report said once."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -23,6 +24,9 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
         )
         into["a"].extend(record["a"])
         into["b"].extend(record["b"])
+        deviation = into.setdefault("deviation", [0.0, 0.0, 0])
+        for i, part in enumerate(record.get("deviation") or (0.0, 0.0, 0)):
+            deviation[i] += part
         into["throttled"].extend(record["throttled"])
         into["blocks"].extend([block] * len(record["a"]))
         into["overheads"].append(record.get("overhead", 0.0))
@@ -30,6 +34,13 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
         into["stops"].append(record.get("stop"))
         into["stop"] = "time_cap" if "time_cap" in into["stops"] else record.get("stop")
         into["seconds"] += record.get("seconds") or 0.0
+
+
+def output_deviation(record: dict[str, Any]) -> tuple[float | None, int]:
+    """(||candidate - baseline|| / ||baseline|| over every sampled output of a shape, how many
+    samples); None without samples or with an all-zero baseline."""
+    dev, ref, n = record.get("deviation") or (0.0, 0.0, 0)
+    return (math.sqrt(dev / ref) if n and ref > 0 else None), int(n)
 
 
 def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> list[ShapeSamples]:
@@ -46,6 +57,8 @@ def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> 
             bytes_moved=m["bytes_moved"],
             stop_reason=samples[m["name"]].get("stop"),
             sampling_s=samples[m["name"]].get("seconds"),
+            output_deviation=output_deviation(samples[m["name"]])[0],
+            output_samples=output_deviation(samples[m["name"]])[1],
         )
         for m in shape_meta
         if m["name"] in samples

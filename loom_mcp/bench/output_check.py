@@ -14,7 +14,8 @@ def samples_disagreeing(candidate: list[float] | None, baseline: list[float] | N
     """How many of the candidate's sampled outputs differ from the baseline's; None when the two
     cannot be compared at all (missing, or not the same positions).
 
-    Both arms timed the same freshly perturbed inputs (every element scaled by U(0.9, 1.1)),
+    Both arms timed the same freshly perturbed inputs (every element scaled by U(0.9, 1.1), each
+    tensor by a factor in [0.905, 1.105]),
     so an output computed from stale inputs or taken from a cache is off by a few percent at
     most positions. An honest kernel differs by rounding only: one bf16 step is 0.4-0.8 %, and
     validation has already held it to the task's tolerance. The bound here is loose for
@@ -34,6 +35,25 @@ def samples_disagreeing(candidate: list[float] | None, baseline: list[float] | N
         elif abs(x - y) > SAMPLE_RTOL * abs(y) + SAMPLE_SCALE_TOL * scale + 1e-12:
             off += 1
     return off
+
+
+def squared_deviation(candidate: list[float] | None, baseline: list[float] | None) -> tuple[float, float, int]:
+    """(sum of (candidate - baseline)^2, sum of baseline^2, how many) over the sampled positions
+    where both are finite: summed over a shape's calls, their ratio's square root is the
+    normwise deviation the gate holds against validation's bound (gate._judge_output_drift).
+    A candidate may differ from the baseline by its own rounding and the baseline's, both of
+    which validation measured; a lower precision or stale data used only while timed shows
+    here even where the loose per-sample rule above lets it pass."""
+    if candidate is None or baseline is None or len(candidate) != len(baseline):
+        return 0.0, 0.0, 0
+    dev = ref = 0.0
+    n = 0
+    for x, y in zip(candidate, baseline, strict=True):
+        if math.isfinite(x) and math.isfinite(y):
+            dev += (x - y) ** 2
+            ref += y * y
+            n += 1
+    return dev, ref, n
 
 
 def call_agrees(off: int | None, probes: int) -> bool:

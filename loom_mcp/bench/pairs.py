@@ -14,7 +14,7 @@ import anyio
 
 from loom_mcp.bench.arm_procs import IdleWatch, busy_finding
 from loom_mcp.bench.arms import ArmConnection
-from loom_mcp.bench.output_check import call_agrees, samples_disagreeing, shape_disagrees
+from loom_mcp.bench.output_check import call_agrees, samples_disagreeing, shape_disagrees, squared_deviation
 from loom_mcp.bench.proof import prove_execution
 from loom_mcp.bench.summary import paired_stop_reason
 from loom_mcp.bench.trusted import (
@@ -143,6 +143,9 @@ async def run_pairs(
                         agree = agree and call_agrees(off, len(b))
                         probes_off += len(b) if off is None else off
                         probes += len(b)
+                        deviation = record.setdefault("deviation", [0.0, 0.0, 0])
+                        for i, part in enumerate(squared_deviation(c, b)):
+                            deviation[i] += part
             if not agree and not mismatch_reported:
                 mismatch_reported = True
                 why = cand.get("error") or base.get("error") or "values differ at sampled positions"

@@ -154,6 +154,8 @@ def analyze_shapes(
                 stop_reason=shape.stop_reason,
                 sampling_s=shape.sampling_s,
                 block_ratios=ratios,
+                output_deviation=shape.output_deviation,
+                output_samples=shape.output_samples,
             )
         )
     return BenchmarkStats(

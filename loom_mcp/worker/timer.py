@@ -6,8 +6,10 @@ harness's clock; a compiled extension can patch memory), so the two arms only *r
 this process measures them from outside:
 
 * It owns the inputs. Each call's input set is re-perturbed here (each floating element times
-  U(0.9, 1.1), the same noise for both arms) right before the call is released, so nothing an
-  arm computed earlier matches.
+  U(0.9, 1.1), and each tensor as a whole by a factor between 0.905 and 1.105, the same for both
+  arms) right before the call is released, so nothing an arm computed earlier matches. The
+  whole-tensor factor moves statistics elementwise noise leaves nearly still (a 4096-wide row's
+  RMS moved 0.1 %, and a red-team candidate served RMSNorm from a cache of row scales).
 * On a GPU it brackets each call with its own CUDA events. The arm's stream waits on an
   interprocess event this process records after its start event; the arm records its own
   interprocess event after its work, which this stream waits on before the end event. The L2
@@ -267,7 +269,9 @@ class Timer:
             if isinstance(live, torch.Tensor) and live.is_floating_point():
                 noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
                 noise.uniform_(0.9, 1.1, generator=generator)
-                live.copy_(original.float() * noise)
+                factor = torch.empty((), dtype=torch.float32, device=self.device)
+                factor.uniform_(-0.1, 0.1, generator=generator).exp_()  # on the device: no sync
+                live.copy_(original.float() * noise * factor)
 
     def _flush(self) -> None:
         """Evict the L2 by reading a buffer larger than it (a read leaves no dirty lines)."""
