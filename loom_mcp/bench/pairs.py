@@ -143,9 +143,9 @@ async def run_pairs(
                         agree = agree and call_agrees(off, len(b))
                         probes_off += len(b) if off is None else off
                         probes += len(b)
-                        deviation = record.setdefault("deviation", [0.0, 0.0, 0])
-                        for i, part in enumerate(squared_deviation(c, b)):
-                            deviation[i] += part
+                        sums: list[float] = record.setdefault("deviation", [0.0, 0.0, 0])
+                        for i, value in enumerate(squared_deviation(c, b)):
+                            sums[i] += value
             if not agree and not mismatch_reported:
                 mismatch_reported = True
                 why = cand.get("error") or base.get("error") or "values differ at sampled positions"
