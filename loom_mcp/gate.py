@@ -351,11 +351,16 @@ def _judge_output_drift(validation: ValidationEvidence, benchmark: BenchmarkEvid
             )
 
 
-def benchmark_reasons(benchmark: BenchmarkEvidence, config: GateConfig) -> list[tuple[ReasonCode, str]]:
-    """What the gate would hold against this benchmark on its own: the same rules `decide`
-    applies, rejecting reasons first, then review concerns. Empty: it would clear the bar."""
+def benchmark_reasons(
+    benchmark: BenchmarkEvidence, config: GateConfig, validation: ValidationEvidence | None = None
+) -> list[tuple[ReasonCode, str]]:
+    """What the gate would hold against this benchmark: the same rules `decide` applies, with
+    the ones that read validation too where one is given; rejecting reasons first, then review
+    concerns. Empty: it would clear the bar."""
     out = _Reasons()
     _judge_benchmark(benchmark, config, out)
+    if validation is not None:
+        _judge_output_drift(validation, benchmark, out)
     return out.ordered()
 
 

@@ -369,6 +369,7 @@ def summarize_benchmark(
     seconds: float,
     device_state: dict | None,
     baseline: str = "the task's Model",
+    validation: ValidationEvidence | None = None,
 ) -> BenchmarkResult:
     shapes = [
         ShapeSpeed(
@@ -407,7 +408,7 @@ def summarize_benchmark(
     if any(f.severity == "error" for f in findings):
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
     else:
-        next_step = benchmark_advice(evidence, gate)
+        next_step = benchmark_advice(evidence, gate, validation)
     return BenchmarkResult(
         **evidence.model_dump(include=_EVIDENCE_AS_IS),
         timer_note=note,
@@ -424,11 +425,21 @@ def summarize_benchmark(
     )
 
 
-def benchmark_advice(evidence: BenchmarkEvidence, gate: GateConfig) -> str:
-    """The next step after a benchmark, from the rules the gate will apply to it on submit."""
-    reasons = benchmark_reasons(evidence, gate)
+def benchmark_advice(
+    evidence: BenchmarkEvidence, gate: GateConfig, validation: ValidationEvidence | None = None
+) -> str:
+    """The next step after a benchmark, from the rules the gate will apply to it on submit (with
+    a passed validation of the same bytes, if there is one, for the rules that read it)."""
+    reasons = benchmark_reasons(evidence, gate, validation)
     codes = {c for c, _ in reasons}
     blocking = [(c, m) for c, m in reasons if not is_review_code(c)]
+    if "benchmark.output_drift" in codes:  # before any speed: the timed code is not what passed
+        drift = [m for c, m in blocking if c == "benchmark.output_drift"]
+        return (
+            "do not submit: the gate rejects this. "
+            + " ".join(drift)
+            + " Compute the same way whether timed or not, then run_validation and benchmark again"
+        )
     if "shape.regression" in codes:
         slow = [m for c, m in blocking if c == "shape.regression"]
         return (
@@ -545,6 +556,16 @@ async def run_benchmark(
             "temperature_c_after": after.get("temperature_c"),
             "power_w_after": after.get("power_w"),
         }
+    # The advice applies the rules that need a validation when these bytes have a passed one here.
+    validated = await reusable_validation(
+        config,
+        ledger,
+        artifacts,
+        task=task_path,
+        candidate=cand_path,
+        task_globals=task_globals,
+        campaign_id=call.campaign_id,
+    )
     result = summarize_benchmark(
         evidence,
         findings,
@@ -552,6 +573,7 @@ async def run_benchmark(
         time.monotonic() - started,
         state,
         baseline=str(base_path) if base_path else "the task's Model",
+        validation=validated[1] if validated else None,
     )
     store_record(
         ledger,
