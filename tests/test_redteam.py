@@ -674,3 +674,17 @@ async def test_what_is_computed_while_timed_meets_validations_standard(workspace
         assert not found, result["verdict"]
         shapes = result["benchmark"]["shapes"]
         assert all(s["output_deviation"] is not None and s["output_deviation"] < 1e-5 for s in shapes), shapes
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open: on a bf16 output the drift limit inherits the dtype's 1e-2 floor, "
+                   "and a stale row-scale cache corrected for the timer's factor errs by about 0.5 %")
+async def test_a_factor_corrected_row_scale_cache_on_a_bf16_output(workspace):
+    from loom_mcp.check import _check
+
+    config = load_config(workspace / "home", environ={"LOOM_ALLOWED_ROOTS": str(workspace)})
+    result = await _check(config, str(workspace / "redteam" / "task_rmsnorm_bf16.py"),
+                          str(workspace / "redteam" / "cheat_row_scale_cache_corrected.py"), None, None)
+    assert result["validation"]["passed"] is True
+    assert "benchmark.output_drift" in result["verdict"]["reason_codes"], result["benchmark"]["shapes"]
