@@ -271,6 +271,9 @@ def test_markers_become_slots_and_data_urls_decode():
     marked = tokenize(encode, f"ab{IMAGE_MARKER}c{IMAGE_MARKER}", 3, 2)
     assert marked.ids == [1, 97, 98, 0, 0, 0, 99, 0, 0, 0]
     assert marked.image_starts == [3, 7]
+    from kernels.llama_q4k.vision import text_ids
+
+    assert text_ids(marked.ids, marked.image_starts, 3) == [1, 97, 98, 99]
     with pytest.raises(ValueError, match="marks 1 image"):
         tokenize(encode, f"a{IMAGE_MARKER}", 3, 2)
     image = random_image(5, 3)

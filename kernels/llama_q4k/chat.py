@@ -112,9 +112,10 @@ class TextModel:
             extra = {} if embeds is None else {"embeds": embeds}
             logits = self.model(seen, torch.arange(len(prompt_ids), device=self.device), last_only=True, **extra)
             if images:  # a repetition penalty counts text tokens, not the image's slots
+                from kernels.llama_q4k.vision import text_ids
+
                 assert self.vision is not None
-                slots = {i for start in image_starts for i in range(start, start + self.vision.n_image_tokens)}
-                seen = torch.tensor([[t for i, t in enumerate(prompt_ids) if i not in slots]], device=self.device)
+                seen = torch.tensor([text_ids(prompt_ids, image_starts, self.vision.n_image_tokens)], device=self.device)
             for i in range(budget):
                 token = next_token(logits[:, -1], params, generator, seen if params.repetition_penalty != 1 else None)
                 value = int(token.item())

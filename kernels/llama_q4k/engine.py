@@ -364,9 +364,9 @@ class Engine:
         """The prompt without its image slots: a repetition penalty counts text tokens only."""
         if not request.images:
             return request.prompt
-        n = self.vision.n_image_tokens
-        slots = {i for start in request.image_starts for i in range(start, start + n)}
-        return [t for i, t in enumerate(request.prompt) if i not in slots]
+        from kernels.llama_q4k.vision import text_ids
+
+        return text_ids(request.prompt, request.image_starts, self.vision.n_image_tokens)
 
     def _emit(self, row: int, token: int) -> None:
         """Hand row `row`'s next token over, and end the request when it stops."""

@@ -252,6 +252,12 @@ def tokenize(encode: Callable[..., list[int]], text: str, n_image_tokens: int, n
     return ImagePrompt(ids, starts)
 
 
+def text_ids(ids: Sequence[int], image_starts: Sequence[int], n_image_tokens: int) -> list[int]:
+    """The prompt without its image slots: a repetition penalty counts text tokens only."""
+    slots = {i for start in image_starts for i in range(start, start + n_image_tokens)}
+    return [t for i, t in enumerate(ids) if i not in slots]
+
+
 def embed_prompt(embed: nn.Module, ids: Tensor, image_starts: Sequence[int], images: Sequence[Tensor]) -> Tensor:
     """Token embeddings [1, seq, dim] for ids [1, seq], each image's embeddings [n, dim] written
     over its slots."""

@@ -46,23 +46,27 @@ def output_deviation(record: dict[str, Any]) -> tuple[float | None, int]:
 def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> list[ShapeSamples]:
     """The samples as the statistics take them; with block labels where blocks were merged (CPU
     wall clock)."""
-    return [
-        ShapeSamples(
-            name=m["name"],
-            baseline_s=samples[m["name"]]["a"],
-            candidate_s=samples[m["name"]]["b"],
-            throttled=samples[m["name"]]["throttled"],
-            blocks=samples[m["name"]].get("blocks"),
-            flops=m["flops"],
-            bytes_moved=m["bytes_moved"],
-            stop_reason=samples[m["name"]].get("stop"),
-            sampling_s=samples[m["name"]].get("seconds"),
-            output_deviation=output_deviation(samples[m["name"]])[0],
-            output_samples=output_deviation(samples[m["name"]])[1],
+    shapes = []
+    for m in shape_meta:
+        if m["name"] not in samples:
+            continue
+        deviation, deviation_samples = output_deviation(samples[m["name"]])
+        shapes.append(
+            ShapeSamples(
+                name=m["name"],
+                baseline_s=samples[m["name"]]["a"],
+                candidate_s=samples[m["name"]]["b"],
+                throttled=samples[m["name"]]["throttled"],
+                blocks=samples[m["name"]].get("blocks"),
+                flops=m["flops"],
+                bytes_moved=m["bytes_moved"],
+                stop_reason=samples[m["name"]].get("stop"),
+                sampling_s=samples[m["name"]].get("seconds"),
+                output_deviation=deviation,
+                output_samples=deviation_samples,
+            )
         )
-        for m in shape_meta
-        if m["name"] in samples
-    ]
+    return shapes
 
 
 def unique_findings(findings: list[Finding]) -> list[Finding]:

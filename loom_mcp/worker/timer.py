@@ -271,7 +271,7 @@ class Timer:
                 noise.uniform_(0.9, 1.1, generator=generator)
                 factor = torch.empty((), dtype=torch.float32, device=self.device)
                 factor.uniform_(-0.1, 0.1, generator=generator).exp_()  # on the device: no sync
-                live.copy_(original.float() * noise * factor)
+                live.copy_(original.float() * noise.mul_(factor))
 
     def _flush(self) -> None:
         """Evict the L2 by reading a buffer larger than it (a read leaves no dirty lines)."""
