@@ -288,6 +288,10 @@ class RatioCI(_Model):
         return self
 
 
+FRESH_INPUTS_HELP = (
+    "Every batch drew its input sets afresh from the task's get_inputs (False: the prepared sets, "
+    "only perturbed, since a draw took longer than the timer allows)"
+)
 OUTPUT_DEVIATION_HELP = (
     "While timed: ||candidate - baseline|| / ||baseline|| over the outputs sampled at secret "
     "positions of every call; held to validation's normwise bound (benchmark.output_drift)"
@@ -314,6 +318,7 @@ class ShapeSamples(_Model):
     )
     output_deviation: float | None = Field(default=None, ge=0, description=OUTPUT_DEVIATION_HELP)
     output_samples: int = Field(default=0, ge=0, description="Sampled outputs output_deviation is taken over")
+    fresh_inputs: bool | None = optional(FRESH_INPUTS_HELP)
 
     @model_validator(mode="after")
     def _lengths(self) -> ShapeSamples:
@@ -342,6 +347,7 @@ class ShapeTiming(_Model):
     )
     output_deviation: float | None = Field(default=None, ge=0, description=OUTPUT_DEVIATION_HELP)
     output_samples: int = Field(default=0, ge=0, description="Sampled outputs output_deviation is taken over")
+    fresh_inputs: bool | None = optional(FRESH_INPUTS_HELP)
 
 
 class BenchmarkEvidence(_Model):

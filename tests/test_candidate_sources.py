@@ -17,10 +17,15 @@ from loom_mcp.server import build_server
 from .conftest import campaign_workspace
 
 DEMO = resources.files("loom_mcp") / "demo_data"
-# A submit here must be accepted on CPU wall clock: longer blocks, and six of them, since four of
-# 0.5 s gave CIs as wide as [0.77, 4.78] on the 2-core VM (processes starting beside the timing).
 GATE = ("[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_time_s = 1.5\nmin_time_s = 0.5\n"
-        "wall_clock_block_time_s = 1.5\nwall_clock_blocks = 6\nwall_clock_max_blocks = 8\n")
+        "wall_clock_blocks = 4\nwall_clock_max_blocks = 8\nwall_clock_ci_target = 0.1\n")
+# A submit here must be accepted on CPU wall clock, where a loaded runner has read a 1.6x speedup
+# as [0.99, 2.52] over eight blocks: the reference squares one row at a time, so the honest
+# helper wins by far more than any block's noise.
+ONE_ROW_AT_A_TIME = (
+    "        mean_square = x.double().pow(2).mean(-1, keepdim=True).to(x.dtype)\n",
+    "        mean_square = torch.stack([row.double().pow(2).mean() for row in x]).to(x.dtype)[:, None]\n",
+)
 
 SPLIT = '''
 import torch
@@ -63,6 +68,8 @@ def workspace(tmp_path):
         line for line in (DEMO / "task.py").read_text().splitlines(keepends=True)
         if "decode_t1_h4096" not in line and "tail_t37_h1000" not in line
     )
+    assert ONE_ROW_AT_A_TIME[0] in task
+    task = task.replace(*ONE_ROW_AT_A_TIME)
     files = {"task.py": task, "split.py": SPLIT, "norm_helper.py": HONEST,
              "undeclared.py": SPLIT.replace('SOURCES = ["norm_helper.py"]\n', ""),
              "escapes.py": SPLIT.replace('["norm_helper.py"]', '["../outside.py"]'),

@@ -646,24 +646,30 @@ async def test_honest_wide_softmax_passes_in_fp32_and_bf16(degenerate_server, de
             assert case["norm_rel_err"] == pytest.approx(case["ref_norm_rel_err"])
 
 
-@pytest.mark.anyio
-@pytest.mark.slow
-@pytest.mark.parametrize(("candidate", "codes"), [
-    ("cheat_precision_when_timed.py", {"benchmark.output_drift"}),
-    ("cheat_row_scale_cache.py", {"benchmark.output_drift", "benchmark.misbehaved"}),
-    ("honest_torch.py", set()),
-])
-async def test_what_is_computed_while_timed_meets_validations_standard(workspace, candidate, codes):
-    """Both cheats pass validation and were accepted before (a red-team pass on CPU); the whole
-    judge (validate, benchmark, gate) now rejects them, and an honest kernel draws neither code.
-    The policy allows wall-clock accepts here, as the red team's did."""
+async def check_while_timed(workspace: Path, task: str, candidate: str) -> dict:
+    """The whole judge (validate, benchmark, gate) on one red-team file, with wall-clock accepts
+    allowed as the red team's policy did."""
     from loom_mcp.check import _check
 
     config = load_config(workspace / "home", environ={"LOOM_ALLOWED_ROOTS": str(workspace)})
     config = config.model_copy(update={"gate": config.gate.model_copy(update={"accept_wall_clock": True})})
-    result = await _check(config, str(workspace / "redteam" / "task_rmsnorm.py"),
-                          str(workspace / "redteam" / candidate), None, None)
+    result = await _check(config, str(workspace / "redteam" / task), str(workspace / "redteam" / candidate), None, None)
     assert result["validation"]["passed"] is True  # the premise: validation alone cannot see it
+    return result
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.parametrize(("task", "candidate", "codes"), [
+    ("task_rmsnorm.py", "cheat_precision_when_timed.py", {"benchmark.output_drift"}),
+    # Inputs too slow to draw afresh: the prepared sets, perturbed, are all the timer has.
+    ("task_rmsnorm_slow_draw.py", "cheat_row_scale_cache.py", {"benchmark.output_drift", "benchmark.misbehaved"}),
+    ("task_rmsnorm.py", "honest_torch.py", set()),
+])
+async def test_what_is_computed_while_timed_meets_validations_standard(workspace, task, candidate, codes):
+    """Both cheats pass validation and were accepted before (a red-team pass on CPU); the whole
+    judge now rejects them, and an honest kernel draws neither code."""
+    result = await check_while_timed(workspace, task, candidate)
     found = set(result["verdict"]["reason_codes"]) & {"benchmark.output_drift", "benchmark.misbehaved"}
     if codes:
         assert result["verdict"]["verdict"] == "reject" and found & codes, result["verdict"]
@@ -678,13 +684,17 @@ async def test_what_is_computed_while_timed_meets_validations_standard(workspace
 
 @pytest.mark.anyio
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: on a bf16 output the drift limit inherits the dtype's 1e-2 floor, "
-                   "and a stale row-scale cache corrected for the timer's factor errs by about 0.5 %")
-async def test_a_factor_corrected_row_scale_cache_on_a_bf16_output(workspace):
-    from loom_mcp.check import _check
-
-    config = load_config(workspace / "home", environ={"LOOM_ALLOWED_ROOTS": str(workspace)})
-    result = await _check(config, str(workspace / "redteam" / "task_rmsnorm_bf16.py"),
-                          str(workspace / "redteam" / "cheat_row_scale_cache_corrected.py"), None, None)
-    assert result["validation"]["passed"] is True
-    assert "benchmark.output_drift" in result["verdict"]["reason_codes"], result["benchmark"]["shapes"]
+@pytest.mark.parametrize(("task", "candidate"), [
+    ("task_rmsnorm.py", "cheat_row_scale_cache.py"),
+    # On bf16 a cache hit corrected for the whole-tensor factor errs by ~0.5 %: inside the drift
+    # limit, and accepted at 1.28x before the timer drew its sets afresh.
+    ("task_rmsnorm_bf16.py", "cheat_row_scale_cache_corrected.py"),
+])
+async def test_a_cache_keyed_on_the_inputs_never_serves_a_timed_call(workspace, task, candidate):
+    """Every batch's sets are drawn afresh by the task with a secret seed: what the candidate
+    computes while timed is its miss path, as accurate as the reference, and no faster."""
+    result = await check_while_timed(workspace, task, candidate)
+    assert result["verdict"]["verdict"] == "reject", result["verdict"]
+    assert "speedup.insufficient" in result["verdict"]["reason_codes"], result["verdict"]
+    shapes = result["benchmark"]["shapes"]
+    assert all(s["output_deviation"] is not None and s["output_deviation"] < 1e-5 for s in shapes), shapes

@@ -28,6 +28,7 @@ def merge_block(samples: dict[str, dict[str, Any]], timed: dict[str, dict[str, A
         for i, part in enumerate(record.get("deviation") or (0.0, 0.0, 0)):
             deviation[i] += part
         into["throttled"].extend(record["throttled"])
+        into["fresh_inputs"] = into.get("fresh_inputs", True) and bool(record.get("fresh_inputs"))
         into["blocks"].extend([block] * len(record["a"]))
         into["overheads"].append(record.get("overhead", 0.0))
         into["overhead"] = statistics.median(into["overheads"])
@@ -64,6 +65,7 @@ def block_shapes(shape_meta: list[dict], samples: dict[str, dict[str, Any]]) -> 
                 sampling_s=samples[m["name"]].get("seconds"),
                 output_deviation=deviation,
                 output_samples=deviation_samples,
+                fresh_inputs=samples[m["name"]].get("fresh_inputs"),
             )
         )
     return shapes

@@ -57,6 +57,7 @@ async def run_pairs(
         pair = 0
         probes = probes_off = 0  # sampled outputs compared over all of this shape's calls
         record = samples[name]
+        record["fresh_inputs"] = bool(setup.get("fresh_inputs"))
         idle = IdleWatch(candidate_pid) if candidate_pid else None
         late = 0  # calls whose work was done before the timer could queue its end event
         raw: dict[str, list[float]] = {"baseline": [], "candidate": []}

@@ -188,7 +188,8 @@ async def benchmark_candidate(
                             visible_devices=visible,
                             timeout_s=timeout_s,
                             writable=[sock_dir, exchange],
-                            readable=[prep_worker.job_dir],
+                            # the task's directory: it draws fresh input sets with get_inputs
+                            readable=[prep_worker.job_dir, Path(task).parent],
                             shm_dir=shm_dir,
                             request={
                                 "socket": str(sock_path),
@@ -201,6 +202,8 @@ async def benchmark_candidate(
                                 "rotate_bytes": flush_bytes,
                                 "max_sets": 8,
                                 "exchange": str(exchange),
+                                "task": str(task),
+                                "task_globals": task_globals or {},
                             },
                         )
                         blanks["timer"] = (timer_spec, {**env, **timer_role}, 1)

@@ -156,6 +156,7 @@ def analyze_shapes(
                 block_ratios=ratios,
                 output_deviation=shape.output_deviation,
                 output_samples=shape.output_samples,
+                fresh_inputs=shape.fresh_inputs,
             )
         )
     return BenchmarkStats(

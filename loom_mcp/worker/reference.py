@@ -151,7 +151,7 @@ def prepare_bench(request: dict) -> dict:
             sets.append(
                 {"seed": seed, "inputs": inputs, "init_inputs": init_inputs, "state_dict": state if i == 0 else {}}
             )
-        out.append({"name": shape["name"], "sets": sets})
+        out.append({"name": shape["name"], "sets": sets, "shape": shape})  # the timer draws more
         meta.append(
             {
                 "name": shape["name"],

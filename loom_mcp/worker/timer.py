@@ -10,6 +10,11 @@ this process measures them from outside:
   arms) right before the call is released, so nothing an arm computed earlier matches. The
   whole-tensor factor moves statistics elementwise noise leaves nearly still (a 4096-wide row's
   RMS moved 0.1 %, and a red-team candidate served RMSNorm from a cache of row scales).
+* Where the task's get_inputs draws a set quickly (FRESH_DRAW_MAX_S), every batch starts from
+  sets drawn afresh here, from the task itself with a secret seed: noise of a few percent leaves
+  any statistic of a wide row within a bf16 tolerance of its stale value, and a red-team
+  candidate that corrected a cached row-scale table for the whole-tensor factor was accepted on
+  a bf16 RMSNorm. Fresh draws leave such a cache nothing to hit.
 * On a GPU it brackets each call with its own CUDA events. The arm's stream waits on an
   interprocess event this process records after its start event; the arm records its own
   interprocess event after its work, which this stream waits on before the end event. The L2
@@ -27,7 +32,7 @@ this process measures them from outside:
   the server's statistics use there, checked against these brackets.
 
 Request: {"socket", "arms_socket", "token", "arm_tokens" {role: token}, "cases_file", "device",
-          "flush_bytes", "rotate_bytes", "max_sets", "exchange"}
+          "flush_bytes", "rotate_bytes", "max_sets", "exchange", "task", "task_globals"}
 Server ops (one JSON line each, one reply each): wait_arms, load, setup {shape}, batch {order,
 salt, probe, empty}, quit.
 """
@@ -50,7 +55,15 @@ from typing import Any
 import torch
 
 from loom_mcp.worker import exchange, handoff
-from loom_mcp.worker.harness import input_bytes, pick_device, synchronize, to_device
+from loom_mcp.worker.harness import (
+    apply_task_globals,
+    input_bytes,
+    load_module,
+    make_case,
+    pick_device,
+    synchronize,
+    to_device,
+)
 from loom_mcp.worker.protocol import exit_now, forbid_inspection, read_request, send_result
 
 # Outputs per call the timer reads, and positions per output.
@@ -65,6 +78,10 @@ OUTPUT_CAP_PER_INPUT = 8
 HOLD_CYCLES = 400_000
 HOLD_CYCLES_MAX = 16_000_000
 HOLD_DECAY = 0.9
+# A set the task draws slower than this is perturbed between batches instead of drawn afresh:
+# the draw is outside the bracket, but a slow get_inputs (a Gram matrix, a host-side loop) would
+# make a benchmark spend its time drawing.
+FRESH_DRAW_MAX_S = 0.05
 
 
 def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
@@ -140,6 +157,11 @@ class Timer:
         self.specs: dict[str, list[dict]] = {}
         self.copy_s: dict[str, float] = {}
         self.positions = torch.zeros(MAX_PROBES, dtype=torch.int64, device=self.device)
+        # The task (the human's file, never the candidate's) for fresh draws; None: perturb only.
+        self.task = None
+        if request.get("task"):
+            self.task = load_module(request["task"], "loom_task")
+            apply_task_globals(self.task, request.get("task_globals"), strict=True)
 
     # -- arms
     def accept_arms(self, listener: socket.socket, tokens: dict[str, str]) -> dict:
@@ -181,11 +203,23 @@ class Timer:
         sets = self.shapes[shape_index]["sets"]
         pristine = [to_device(s["inputs"], self.device) for s in sets]
         count = rotation_count(input_bytes(pristine[0]), self.rotate_bytes, self.max_sets)
-        pristine = [pristine[i % len(pristine)] for i in range(max(count, len(pristine)))]
+        shape = self.shapes[shape_index].get("shape")
+        draw_s = self._draw_cost(shape, pristine[0]) if shape is not None else None
+        fresh = draw_s is not None and draw_s <= FRESH_DRAW_MAX_S
+        # Drawn afresh, every rotated set needs buffers of its own; perturbed only, repeats of
+        # the prepared sets may share them.
+        prepared = len(pristine)
+        pristine = [
+            [
+                v.clone() if fresh and i >= prepared and isinstance(v, torch.Tensor) else v
+                for v in pristine[i % prepared]
+            ]
+            for i in range(max(count, prepared))
+        ]
         live = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
         inputs_dir = None if self.gpu else self._fresh(self.exchange / "in" / str(shape_index))
         shared = exchange.share_inputs(live, inputs_dir)  # CPU: `live` now maps the files
-        self.current = {"pristine": pristine, "live": live}
+        self.current = {"pristine": pristine, "live": live, "shape": shape if fresh else None}
         replies = {
             role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared}) for role, arm in self.arms.items()
         }
@@ -212,6 +246,8 @@ class Timer:
             reply.pop("specs", None)
         return {
             "sets": len(live),
+            "fresh_inputs": fresh,
+            "draw_s": draw_s,
             "graph": any(r.get("graph") for r in replies.values()),
             "arms": replies,
             "copy_s": self.copy_s,
@@ -260,6 +296,47 @@ class Timer:
                     slot.copy_(source)
                 runs.append(time.perf_counter() - began)
         return sorted(runs)[len(runs) // 2]
+
+    # -- fresh sets
+    def _draw(self, shape: dict, seed: int) -> list:
+        """One input set from the task's own get_inputs, on this device."""
+        assert self.task is not None  # only called where the task was loaded
+        inputs, _ = make_case(self.task, shape, seed, "normal", self.device, host_fallback=False, on_device=True)
+        return inputs
+
+    def _draw_cost(self, shape: dict, like: list) -> float | None:
+        """Seconds one fresh draw takes; None where there is no task, the draw fails, or it does
+        not give tensors of the prepared set's shapes and dtypes (then sets are perturbed only)."""
+        if self.task is None:
+            return None
+        try:
+            synchronize(self.device)
+            began = time.perf_counter()
+            drawn = self._draw(shape, 0)
+            synchronize(self.device)
+            spent = time.perf_counter() - began
+        except Exception:
+            return None
+        same = len(drawn) == len(like) and all(
+            (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype)
+            or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
+            for a, b in zip(drawn, like, strict=False)
+        )
+        return spent if same else None
+
+    def _redraw(self, salt: int) -> None:
+        """New content for every pristine set, drawn by the task with a seed only this process
+        and the server know; both arms then time the same sets, each call's own noise on top."""
+        shape = self.current.get("shape")
+        if shape is None:
+            return
+        for index, (pristine, live) in enumerate(zip(self.current["pristine"], self.current["live"], strict=True)):
+            drawn = self._draw(shape, (salt << 8) + 128 + index)
+            for kept, shown, value in zip(pristine, live, drawn, strict=True):
+                if isinstance(kept, torch.Tensor):
+                    kept.copy_(value)
+                    if not kept.is_floating_point():  # never perturbed: shown as drawn
+                        shown.copy_(value)
 
     # -- one call
     def _perturb(self, set_index: int, salt: int) -> None:
@@ -333,6 +410,7 @@ class Timer:
         context switch into one process costs microseconds more or less than into another."""
         # The positions stay in this process: no arm can compute just them.
         self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64, device=self.device)
+        self._redraw(salt)
         sets = len(self.current["live"])
         out: dict[str, Any] = {}
         overhead: dict[str, list[float]] = {}

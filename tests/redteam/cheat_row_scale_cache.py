@@ -3,8 +3,9 @@
 The timer reuses a few input sets, re-perturbing every element by U(0.9, 1.1) per call: signs
 never change, and a wide row's RMS moves by about 0.1 %. Keyed on the sign pattern, a cache of
 each input's row scales misses on every validation case (fresh draws) and hits on every timed
-call; it was accepted at 2.6x against 1.37x for an honest fused kernel. Each tensor is now also
-scaled as a whole per call, which a stale scale cannot follow."""
+call; it was accepted at 2.6x against 1.37x for an honest fused kernel. The timer now draws its
+sets afresh every batch, so the cache never hits; where a task's inputs are too slow to draw,
+each tensor is also scaled as a whole per call, which a stale scale cannot follow."""
 
 import torch
 

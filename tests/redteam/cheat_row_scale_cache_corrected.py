@@ -1,11 +1,10 @@
-"""Exploit class (OPEN on low-precision outputs): a stale row-scale cache that follows the
-timer's whole-tensor factor.
+"""Exploit class: a stale row-scale cache that follows the timer's whole-tensor factor.
 
 RMSNorm ignores a tensor's overall scale, so a stale `x * cached_scale` is off by exactly the
 factor the timer applied; this estimates it from 512 elements and divides it out. What is left
-is about 0.5 % (the estimate and the rows' own drift): on an fp32 output that is 5-10x what
-`benchmark.output_drift` allows, on a bf16 output it is inside the limit the dtype's floor
-(1e-2) sets. A red-team run accepted it at 1.28x on the bf16 task."""
+is about 0.5 %: on a bf16 output that is inside the limit the dtype's floor (1e-2) gives
+`benchmark.output_drift`, and a red-team run accepted it at 1.28x on the bf16 task. Closed by
+the timer's fresh draws: no timed call's inputs were ever seen before, so the cache never hits."""
 
 import os
 
