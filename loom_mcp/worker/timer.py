@@ -44,7 +44,8 @@ from loom_mcp.worker.protocol import take_bench_pid
 if __name__ == "__main__":
     take_bench_pid("timer")  # before torch: see take_pid
 
-import hmac  # noqa: E402
+import hashlib  # noqa: E402
+import hmac
 import json
 import os
 import socket
@@ -89,6 +90,14 @@ def rotation_count(set_bytes: int, rotate_bytes: int, max_sets: int) -> int:
     least 2 (a repeated pointer would serve a pointer-keyed cache), at most `max_sets`."""
     wanted = -(-rotate_bytes // max(set_bytes, 1)) if rotate_bytes else 2
     return max(2, min(max_sets, wanted))
+
+
+def seed_of(salt: int, purpose: str, index: int) -> int:
+    """A seed for one draw or noise of a pair, hashed from the server's secret salt. torch's
+    generators keep 32 bits of a seed; a seed built by shifting the salt kept 24 of its bits,
+    few enough for an arm to tabulate every set it could be shown."""
+    digest = hashlib.blake2b(f"{salt}:{purpose}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class Line:
@@ -328,20 +337,19 @@ class Timer:
         """New content for every pristine set, drawn by the task with a seed only this process
         and the server know; both arms then time the same sets, each call's own noise on top."""
         shape = self.current.get("shape")
-        if shape is None:
+        if shape is None or self.current.get("drawn_for") == salt:  # the pair's other arm: as drawn
             return
-        for index, (pristine, live) in enumerate(zip(self.current["pristine"], self.current["live"], strict=True)):
-            drawn = self._draw(shape, (salt << 8) + 128 + index)
-            for kept, shown, value in zip(pristine, live, drawn, strict=True):
+        self.current["drawn_for"] = salt
+        for index, pristine in enumerate(self.current["pristine"]):
+            drawn = self._draw(shape, seed_of(salt, "draw", index))
+            for kept, value in zip(pristine, drawn, strict=True):
                 if isinstance(kept, torch.Tensor):
                     kept.copy_(value)
-                    if not kept.is_floating_point():  # never perturbed: shown as drawn
-                        shown.copy_(value)
 
     # -- one call
     def _perturb(self, set_index: int, salt: int) -> None:
         """Fresh content for one input set, the same for both arms: (salt, set) seeds the noise."""
-        generator = torch.Generator(device=self.device).manual_seed((salt << 8) + set_index)
+        generator = torch.Generator(device=self.device).manual_seed(seed_of(salt, "noise", set_index))
         for live, original in zip(self.current["live"][set_index], self.current["pristine"][set_index], strict=True):
             if isinstance(live, torch.Tensor) and live.is_floating_point():
                 noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
@@ -349,6 +357,18 @@ class Timer:
                 factor = torch.empty((), dtype=torch.float32, device=self.device)
                 factor.uniform_(-0.1, 0.1, generator=generator).exp_()  # on the device: no sync
                 live.copy_(original.float() * noise.mul_(factor))
+            elif isinstance(live, torch.Tensor):  # never perturbed, but scrubbed after a pass
+                live.copy_(original)
+
+    def _scrub(self) -> None:
+        """Zeros in every shared input set once an arm's pass is over. The other arm times the
+        same content next; left in place, a candidate's untimed warm-up could read the sets it
+        was about to be timed on and compute them ahead (a red-team candidate served half its
+        timed calls that way). Each call's content is written just before its release."""
+        for live in self.current["live"]:
+            for value in live:
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
 
     def _flush(self) -> None:
         """Evict the L2 by reading a buffer larger than it (a read leaves no dirty lines)."""
@@ -433,6 +453,7 @@ class Timer:
                 else:
                     bracket, _, _ = self._call_cpu(arm, role, 0, True, salt)
                 empty_brackets.append(bracket)
+            self._scrub()
             synchronize(self.device)
             # On a GPU the arm also timed its work with its own events (precise, but taken in a
             # process that runs the code under test): reported beside the timer's, for the
