@@ -348,6 +348,12 @@ def flush_bytes_for(target: Target) -> int:
 
 
 # What a benchmark's result reports of its evidence unchanged (the same name in both).
+def _sig(value: Any, digits: int = 4) -> Any:
+    """A figure to `digits` significant digits, for a tool result an agent reads: seventeen
+    digits a float made a CPU benchmark's result pass 4 KB. The evidence keeps every digit."""
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
 _EVIDENCE_AS_IS = {
     "benchmark_id",
     "device",
@@ -374,18 +380,18 @@ def summarize_benchmark(
     shapes = [
         ShapeSpeed(
             name=s.name,
-            baseline_median_s=s.baseline.median,
-            candidate_median_s=s.candidate.median,
-            speedup=s.ratio.estimate,
-            ci_low=s.ratio.ci_low,
-            ci_high=s.ratio.ci_high,
+            baseline_median_s=_sig(s.baseline.median),
+            candidate_median_s=_sig(s.candidate.median),
+            speedup=_sig(s.ratio.estimate),
+            ci_low=_sig(s.ratio.ci_low),
+            ci_high=_sig(s.ratio.ci_high),
             pairs=min(s.baseline.n, s.candidate.n),
-            candidate_cv=(s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0,
-            floor_s=s.floor_s,
-            roofline_fraction=s.roofline_fraction,
+            candidate_cv=_sig((s.candidate.std / s.candidate.mean) if s.candidate.mean else 0.0),
+            floor_s=_sig(s.floor_s),
+            roofline_fraction=_sig(s.roofline_fraction),
             stop_reason=s.stop_reason,
-            block_speedups=s.block_ratios,
-            output_deviation=s.output_deviation,
+            block_speedups=[_sig(r) for r in s.block_ratios] if s.block_ratios is not None else None,
+            output_deviation=_sig(s.output_deviation),
         )
         for s in evidence.shapes
     ]
@@ -409,13 +415,16 @@ def summarize_benchmark(
         next_step = "the candidate misbehaved while timed; fix the findings, then run_validation again"
     else:
         next_step = benchmark_advice(evidence, gate, validation)
+    as_is = evidence.model_dump(include=_EVIDENCE_AS_IS)
+    if as_is.get("block_geomeans") is not None:
+        as_is["block_geomeans"] = [_sig(r) for r in as_is["block_geomeans"]]
     return BenchmarkResult(
-        **evidence.model_dump(include=_EVIDENCE_AS_IS),
+        **as_is,
         timer_note=note,
         shapes=shapes,
-        geomean_speedup=g.estimate if g else None,
-        geomean_ci_low=g.ci_low if g else None,
-        geomean_ci_high=g.ci_high if g else None,
+        geomean_speedup=_sig(g.estimate) if g else None,
+        geomean_ci_low=_sig(g.ci_low) if g else None,
+        geomean_ci_high=_sig(g.ci_high) if g else None,
         ci_level=gate.ci_level,
         findings=[_finding(f) for f in findings],
         device_state=device_state,

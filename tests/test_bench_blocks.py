@@ -239,7 +239,8 @@ async def test_a_cpu_benchmark_reports_its_blocks(tmp_path):
     assert "2 blocks" in timed["timer_note"]
     (shape,) = timed["shapes"]
     ratios = shape["block_speedups"]
+    # The tool's figures carry four significant digits (the evidence keeps them all).
     assert len(ratios) == 2 and timed["block_geomeans"] == pytest.approx(ratios)
-    assert shape["speedup"] == pytest.approx(math.exp(np.mean(np.log(ratios))))
+    assert shape["speedup"] == pytest.approx(math.exp(np.mean(np.log(ratios))), rel=1e-3)
     expected = block_t_ci(np.log(ratios), 0.95)
-    assert (shape["ci_low"], shape["ci_high"]) == pytest.approx((expected.ci_low, expected.ci_high))
+    assert (shape["ci_low"], shape["ci_high"]) == pytest.approx((expected.ci_low, expected.ci_high), rel=1e-3)

@@ -21,7 +21,7 @@ from loom_mcp.config import load_config
 from loom_mcp.server import build_server
 from loom_mcp.store import Ledger
 
-from .conftest import campaign_workspace
+from .conftest import campaign_workspace, clear_win_demo_task
 
 LOOM = str(Path(sys.executable).with_name("loom-mcp"))
 DEMO = resources.files("loom_mcp") / "demo_data"
@@ -37,8 +37,10 @@ GATE = "[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_ti
 ADAPTIVE_BLOCKS = "wall_clock_blocks = 4\nwall_clock_max_blocks = 8\nwall_clock_ci_target = 0.08\n"
 
 
-def demo_workspace(tmp_path, gate: str = GATE):
+def demo_workspace(tmp_path, gate: str = GATE, clear_win: bool = False):
     files = {name: (DEMO / name).read_text() for name in ("task.py", "candidate.py", "cheat.py")}
+    if clear_win:  # a submit that must be accepted on CPU wall clock
+        files["task.py"] = clear_win_demo_task()
     return campaign_workspace(tmp_path, files, gate)
 
 
@@ -65,7 +67,7 @@ async def test_accept_commits_reject_does_not_and_report_tells_it(tmp_path):
     """One campaign, one accepted run (each campaign run times the candidate for seconds), with
     what rides on it: validations the agent ran first are reused for the accepted bytes and not
     for the ones that failed."""
-    repo, home = demo_workspace(tmp_path, GATE + ADAPTIVE_BLOCKS)
+    repo, home = demo_workspace(tmp_path, GATE + ADAPTIVE_BLOCKS, clear_win=True)
     before = user_state(repo)
     async with Client(build_server(load_config(home))) as client:
         cid = await start(client, repo)

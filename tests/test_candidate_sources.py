@@ -4,8 +4,6 @@ one version of a helper is never reused for another. Through MCP, on CPU."""
 
 from __future__ import annotations
 
-from importlib import resources
-
 import anyio
 import git
 import pytest
@@ -14,18 +12,10 @@ from mcp import Client
 from loom_mcp.config import load_config
 from loom_mcp.server import build_server
 
-from .conftest import campaign_workspace
+from .conftest import campaign_workspace, clear_win_demo_task
 
-DEMO = resources.files("loom_mcp") / "demo_data"
 GATE = ("[gate]\naccept_wall_clock = true\nmax_plausible_speedup = 1000.0\nmax_time_s = 1.5\nmin_time_s = 0.5\n"
         "wall_clock_blocks = 4\nwall_clock_max_blocks = 8\nwall_clock_ci_target = 0.1\n")
-# A submit here must be accepted on CPU wall clock, where a loaded runner has read a 1.6x speedup
-# as [0.99, 2.52] over eight blocks: the reference squares one row at a time, so the honest
-# helper wins by far more than any block's noise.
-ONE_ROW_AT_A_TIME = (
-    "        mean_square = x.double().pow(2).mean(-1, keepdim=True).to(x.dtype)\n",
-    "        mean_square = torch.stack([row.double().pow(2).mean() for row in x]).to(x.dtype)[:, None]\n",
-)
 
 SPLIT = '''
 import torch
@@ -61,15 +51,8 @@ def fused(x, w):
 
 @pytest.fixture
 def workspace(tmp_path):
-    # Only the demo's two big shapes: a submit here must be accepted on CPU wall clock, and with
-    # its 1- and 37-token shapes (call overhead against call overhead) the geomean read 1.3-1.4x
-    # with CIs as wide as [0.92, 1.80].
-    task = "".join(
-        line for line in (DEMO / "task.py").read_text().splitlines(keepends=True)
-        if "decode_t1_h4096" not in line and "tail_t37_h1000" not in line
-    )
-    assert ONE_ROW_AT_A_TIME[0] in task
-    task = task.replace(*ONE_ROW_AT_A_TIME)
+    # A submit here must be accepted on CPU wall clock: see clear_win_demo_task.
+    task = clear_win_demo_task()
     files = {"task.py": task, "split.py": SPLIT, "norm_helper.py": HONEST,
              "undeclared.py": SPLIT.replace('SOURCES = ["norm_helper.py"]\n', ""),
              "escapes.py": SPLIT.replace('["norm_helper.py"]', '["../outside.py"]'),
