@@ -695,6 +695,19 @@ async def test_no_timed_call_is_served_from_a_look_ahead(workspace):
     assert all(s["output_deviation"] is not None and s["output_deviation"] < 1e-5 for s in shapes), shapes
 
 
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_forked_process_cannot_copy_what_the_baseline_is_timed_on(workspace):
+    """Each arm maps input files of its own, written just before each of its calls: a worker the
+    candidate forks finds nothing of the baseline's to copy. The probe marks every timed call it
+    serves from such a copy; none may reach the timer (with shared files about half did)."""
+    result = await check_while_timed(workspace, "task_rmsnorm_bf16.py", "probe_fork_snoop.py")
+    codes = set(result["verdict"]["reason_codes"])
+    assert not codes & {"benchmark.misbehaved", "benchmark.output_drift"}, result["verdict"]
+    shapes = result["benchmark"]["shapes"]
+    assert all(s["output_deviation"] is not None and s["output_deviation"] < 1e-5 for s in shapes), shapes
+
+
 def test_the_timers_seeds_use_every_bit_a_generator_keeps():
     """torch keeps 32 bits of a seed: salts that differ only above bit 24 must still give other
     sets (a shifted salt kept 24 bits, few enough to tabulate)."""

@@ -168,7 +168,7 @@ async def benchmark_candidate(
         # What the timer shares with the arms: input files every arm reads, and per arm a
         # directory of output slots only that arm may write (so neither sees the other's outputs).
         exchange = where / "exchange"
-        for sub in ("in", "out-baseline", "out-candidate"):
+        for sub in ("in-baseline", "in-candidate", "out-baseline", "out-candidate"):
             (exchange / sub).mkdir(parents=True, exist_ok=True)
         samples: dict[str, dict[str, Any]] = {}
         arm_results: dict[str, Any] = {}
@@ -217,6 +217,7 @@ async def benchmark_candidate(
                     module, class_name = arms_spec[role]
                     cache = code_cache(job_dir, Path(module))
                     slots = [exchange / f"out-{role}"] if role != "proof" else []
+                    inputs = [exchange / f"in-{role}"] if role != "proof" else []
                     arm_spec = JobSpec(
                         argv=[sys.executable, "-m", "loom_mcp.worker.bench"],
                         job_dir=where / role,
@@ -224,7 +225,8 @@ async def benchmark_candidate(
                         writable=[cache, *slots],
                         visible_devices=visible,
                         # read-only: an arm may connect to the sockets there, never replace one
-                        readable=[*arm_code(role, Path(module)), prep_worker.job_dir, sock_dir, exchange / "in"],
+                        # its own input files only: see the timer's setup
+                        readable=[*arm_code(role, Path(module)), prep_worker.job_dir, sock_dir, *inputs],
                         shm_dir=shm_dir,
                         timeout_s=timeout_s,
                         request={

@@ -225,12 +225,23 @@ class Timer:
             ]
             for i in range(max(count, prepared))
         ]
-        live = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
-        inputs_dir = None if self.gpu else self._fresh(self.exchange / "in" / str(shape_index))
-        shared = exchange.share_inputs(live, inputs_dir)  # CPU: `live` now maps the files
-        self.current = {"pristine": pristine, "live": live, "shape": shape if fresh else None}
+        # On a CPU each arm maps input files of its own, written just before each of its calls:
+        # with one set of files for both, a process the candidate forked copied the baseline's
+        # inputs while the baseline was timed, and the candidate's warm-up computed them ahead.
+        # (On a GPU both arms still open the same allocations.)
+        live: dict[str, list[list]] = {}
+        shared: dict[str, Any] = {}
+        for role in self.arms:
+            if self.gpu and live:
+                live[role], shared[role] = next(iter(live.values())), next(iter(shared.values()))
+                continue
+            live[role] = [[v.clone() if isinstance(v, torch.Tensor) else v for v in x] for x in pristine]
+            inputs_dir = None if self.gpu else self._fresh(self.exchange / f"in-{role}" / str(shape_index))
+            shared[role] = exchange.share_inputs(live[role], inputs_dir)  # CPU: live[role] now maps the files
+        self.current = {"pristine": pristine, "live": live, "shape": shape if fresh else None, "sets": len(pristine)}
         replies = {
-            role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared}) for role, arm in self.arms.items()
+            role: arm.ask({"op": "setup", "shape": shape_index, "inputs": shared[role]})
+            for role, arm in self.arms.items()
         }
         cap = max(
             MIN_OUTPUT_CAP,
@@ -254,7 +265,7 @@ class Timer:
         for reply in replies.values():
             reply.pop("specs", None)
         return {
-            "sets": len(live),
+            "sets": len(pristine),
             "fresh_inputs": fresh,
             "draw_s": draw_s,
             "graph": any(r.get("graph") for r in replies.values()),
@@ -347,10 +358,12 @@ class Timer:
                     kept.copy_(value)
 
     # -- one call
-    def _perturb(self, set_index: int, salt: int) -> None:
-        """Fresh content for one input set, the same for both arms: (salt, set) seeds the noise."""
+    def _perturb(self, set_index: int, salt: int, role: str) -> None:
+        """Fresh content for one input set of `role`'s, the same for both arms: (salt, set) seeds
+        the noise."""
         generator = torch.Generator(device=self.device).manual_seed(seed_of(salt, "noise", set_index))
-        for live, original in zip(self.current["live"][set_index], self.current["pristine"][set_index], strict=True):
+        live_sets = self.current["live"][role]
+        for live, original in zip(live_sets[set_index], self.current["pristine"][set_index], strict=True):
             if isinstance(live, torch.Tensor) and live.is_floating_point():
                 noise = torch.empty(live.shape, dtype=torch.float32, device=self.device)
                 noise.uniform_(0.9, 1.1, generator=generator)
@@ -360,12 +373,12 @@ class Timer:
             elif isinstance(live, torch.Tensor):  # never perturbed, but scrubbed after a pass
                 live.copy_(original)
 
-    def _scrub(self) -> None:
+    def _scrub(self, role: str) -> None:
         """Zeros in every shared input set once an arm's pass is over. The other arm times the
         same content next; left in place, a candidate's untimed warm-up could read the sets it
         was about to be timed on and compute them ahead (a red-team candidate served half its
         timed calls that way). Each call's content is written just before its release."""
-        for live in self.current["live"]:
+        for live in self.current["live"][role]:
             for value in live:
                 if isinstance(value, torch.Tensor):
                     value.zero_()
@@ -380,7 +393,7 @@ class Timer:
         # Perturbed after the hold, just before the bracket: an arm that ran ahead of its go
         # event would have read the previous content.
         if not empty:
-            self._perturb(set_index, salt)
+            self._perturb(set_index, salt, role)
         self._flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -407,7 +420,7 @@ class Timer:
 
     def _call_cpu(self, arm: Line, role: str, set_index: int, empty: bool, salt: int) -> tuple[float, Any, dict]:
         if not empty:
-            self._perturb(set_index, salt)
+            self._perturb(set_index, salt, role)
         began = time.perf_counter()
         reply = arm.ask({"op": "call", "set": set_index, "empty": empty})
         elapsed = time.perf_counter() - began
@@ -431,7 +444,7 @@ class Timer:
         # The positions stay in this process: no arm can compute just them.
         self.positions = torch.tensor([int(p) for p in probe[:MAX_PROBES]], dtype=torch.int64, device=self.device)
         self._redraw(salt)
-        sets = len(self.current["live"])
+        sets = self.current["sets"]
         out: dict[str, Any] = {}
         overhead: dict[str, list[float]] = {}
         for role in order:
@@ -453,7 +466,7 @@ class Timer:
                 else:
                     bracket, _, _ = self._call_cpu(arm, role, 0, True, salt)
                 empty_brackets.append(bracket)
-            self._scrub()
+            self._scrub(role)
             synchronize(self.device)
             # On a GPU the arm also timed its work with its own events (precise, but taken in a
             # process that runs the code under test): reported beside the timer's, for the
