@@ -6,6 +6,7 @@ through the real MCP protocol, with real sandboxed processes, on CPU."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -233,14 +234,17 @@ async def test_a_cpu_benchmark_reports_its_blocks(tmp_path):
         result = await client.call_tool("benchmark", {
             "task": str(tmp_path / "redteam" / "task_rmsnorm.py"),
             "candidate": str(tmp_path / "redteam" / "honest_torch.py"), "shapes": ["rows8_d64"]})
-    assert result.is_error is False, result.content
-    timed = result.structured_content
+        assert result.is_error is False, result.content
+        timed = result.structured_content
+        record = await client.read_resource(f"loom://runs/{timed['benchmark_id']}")
     assert timed["timer"] == "wall_clock" and timed["blocks"] == 2
     assert "2 blocks" in timed["timer_note"]
     (shape,) = timed["shapes"]
-    ratios = shape["block_speedups"]
-    # The tool's figures carry four significant digits (the evidence keeps them all).
-    assert len(ratios) == 2 and timed["block_geomeans"] == pytest.approx(ratios)
+    (kept,) = json.loads(record.contents[0].text)["evidence"]["shapes"]
+    ratios = kept["block_ratios"]  # every digit: the tool's figures carry four significant ones
+    assert len(ratios) == 2 and timed["block_geomeans"] == pytest.approx(ratios, rel=1e-3)
+    assert shape["block_speedups"] == pytest.approx(ratios, rel=1e-3)
     assert shape["speedup"] == pytest.approx(math.exp(np.mean(np.log(ratios))), rel=1e-3)
     expected = block_t_ci(np.log(ratios), 0.95)
+    assert (kept["ratio"]["ci_low"], kept["ratio"]["ci_high"]) == pytest.approx((expected.ci_low, expected.ci_high))
     assert (shape["ci_low"], shape["ci_high"]) == pytest.approx((expected.ci_low, expected.ci_high), rel=1e-3)
